@@ -1,0 +1,131 @@
+"""One rank of a ``labkit.launch`` (never run by hand).
+
+The rank server (``_zygote``) forks this code with a spec file describing the rank: its
+number, the run directory, the caller's environment, ``sys.path`` and working directory.
+The rank writes its output to ``out_<rank>.log`` (the caller relays it) and its outcome to
+``result_<rank>.pkl`` or ``error_<rank>.pkl``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+
+def die_with_parent(parent_pid: int, watch: bool = True) -> None:
+    """Never outlive ``parent_pid``, even if it is SIGKILLed."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(1)
+    if watch:  # also covers macOS, which has no PR_SET_PDEATHSIG
+        def watcher():
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            os._exit(1)
+        threading.Thread(target=watcher, name="labkit-parent-watch", daemon=True).start()
+
+
+def run_forked(spec_path: str) -> None:
+    """Entry point in the freshly forked rank: become the caller's twin, then run."""
+    os.setsid()  # our own process group: the caller stops us and our children with killpg
+    with open(spec_path) as f:
+        spec = json.load(f)
+    die_with_parent(spec["server_pid"])
+    _redirect_output(spec["out_file"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    sys.path[:] = spec["sys_path"]
+    os.chdir(spec["cwd"])
+    torch.set_num_threads(spec["threads"])  # ranks share the cores; don't oversubscribe
+    run_rank(spec)
+
+
+def _redirect_output(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
+def run_rank(spec: dict) -> None:
+    rank, rundir = spec["rank"], spec["rundir"]
+    # On SIGUSR1 (sent at the launch timeout) write every thread's Python stack to a file.
+    stack_file = open(os.path.join(rundir, f"stack_{rank}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.enable()  # a crash in C still prints a Python stack to the relayed output
+    try:
+        with open(os.path.join(rundir, "payload.pkl"), "rb") as f:
+            fn, args, kwargs = cloudpickle.load(f)
+        _init_process_group(rank, spec["world_size"], spec["backend"], spec["timeout"])
+        result = _run_user_function(fn, args, kwargs)
+        _flush()
+        _write_atomically(os.path.join(rundir, f"result_{rank}.pkl"), result)
+    except BaseException as exc:  # noqa: BLE001 - every failure is reported to the caller
+        report = dict(rank=rank, time=time.time(), exc_type=type(exc).__name__,
+                      message=str(exc), traceback=_user_traceback(exc))
+        _flush()
+        _write_atomically(os.path.join(rundir, f"error_{rank}.pkl"), report)
+        os._exit(1)  # skip interpreter teardown: a peer may be blocked talking to us
+    _wait_for_peers()
+
+
+def _init_process_group(rank: int, world_size: int, backend: str, timeout: float) -> None:
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(seconds=timeout + 60))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    # Our own timeout fires first, so a hang is reported with stacks, not a gloo error.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout + 60))
+
+
+def _run_user_function(fn, args, kwargs):
+    return fn(*args, **kwargs)
+
+
+def _wait_for_peers() -> None:
+    """Stay connected until the caller stops us once every rank is done.
+
+    Exiting at once would reset our connections, turning a peer's hang (say, a recv we
+    never send to) into a confusing "connection reset" error instead of a reported hang.
+    """
+    while True:
+        signal.pause()
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's code down, without this module's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _write_atomically(path: str, obj) -> None:
+    with open(path + ".tmp", "wb") as f:
+        cloudpickle.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _flush() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,0 +1,87 @@
+"""The rank server: imports torch once, then forks a rank per request (never run by hand).
+
+Starting a Python process and importing torch takes seconds; forking one that already has
+torch loaded takes milliseconds, so every launch after the first is nearly free. Each
+caller process (a notebook kernel, a pytest run) gets its own server; it dies with it.
+
+Protocol on stdin/stdout, one JSON object per line:
+    request  {"spec": <path of the rank's spec file>}   reply  {"pid": <the rank's pid>}
+When a rank exits, its exit status is written to the ``exit_file`` named in its spec.
+No threads here: forking a process that has other threads running is unsafe.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import sys
+
+from labkit import _worker  # imports torch: the whole point of this process
+
+# Imported once here rather than in every rank. torch._dynamo is the big one: the first
+# TorchDispatchMode (our tracer, DTensor, FSDP2) pulls it in, at ~2 s a rank. Exercise
+# modules are NOT preloaded: each rank imports the learner's latest code from disk.
+PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.optim", "torch.distributed.pipelining", "torch.nn.parallel",
+           "labkit.comm", "labkit.memory", "labkit.check"]
+
+
+def _reap(children: dict[int, str]) -> None:
+    """Collect exited ranks and publish their exit status."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        path = children.pop(pid, None)
+        if path:
+            with open(path + ".tmp", "w") as f:
+                f.write(str(os.waitstatus_to_exitcode(status)))
+            os.replace(path + ".tmp", path)
+
+
+def _fork_rank(spec_path: str) -> int:
+    pid = os.fork()
+    if pid == 0:  # the rank: never returns into this loop
+        try:
+            _worker.run_forked(spec_path)
+        finally:
+            os._exit(1)
+    return pid
+
+
+def main() -> None:
+    caller = os.getppid()
+    _worker.die_with_parent(caller, watch=False)
+    for module in PRELOAD:
+        importlib.import_module(module)
+    children: dict[int, str] = {}
+    stdin, buffered = sys.stdin.fileno(), b""
+    while True:
+        ready, _, _ = select.select([stdin], [], [], 0.05)
+        _reap(children)
+        if os.getppid() != caller:
+            return  # the caller died; the ranks follow us (PR_SET_PDEATHSIG)
+        if not ready:
+            continue
+        data = os.read(stdin, 65536)
+        if not data:
+            return  # the caller closed the pipe: it has exited
+        buffered += data
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            spec_path = json.loads(line)["spec"]
+            with open(spec_path) as f:
+                exit_file = json.load(f)["exit_file"]
+            pid = _fork_rank(spec_path)
+            children[pid] = exit_file
+            sys.stdout.write(json.dumps({"pid": pid}) + "\n")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Chapter 00 exercises: ring collectives built from point-to-point messages only.
+
+Picture the N ranks of ``group`` on a ring: rank r sends to r+1 and receives from r-1
+(mod N). Cut every buffer into N chunks. Then
+
+* reduce-scatter: in N-1 steps each chunk travels once around the ring, picking up every
+  rank's contribution on the way, and ends fully reduced on the rank that owns it;
+* all-gather: in N-1 more steps every owned chunk travels around the ring again, so that
+  every rank ends with all of them;
+* all-reduce = reduce-scatter + all-gather.
+
+Each step moves one chunk (S/N bytes) per rank, so an all-reduce sends 2(N-1)/N * S bytes
+per rank whatever N is: that is why the ring is bandwidth-optimal.
+
+Tasks (run ``labkit grade collectives``; tests in ``tests/grading/test_collectives.py``):
+    collectives.reduce_scatter   ring_reduce_scatter
+    collectives.all_gather       ring_all_gather
+    collectives.all_reduce       ring_all_reduce
+Use only ``dist.isend``/``dist.irecv``/``dist.send``/``dist.recv``: the grader traces your
+communication and refuses built-in collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def ring_neighbours(group=None) -> tuple[int, int]:
+    """Global ranks of the next and previous rank on the ring of ``group``."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    return (dist.get_global_rank(group or dist.group.WORLD, (me + 1) % n),
+            dist.get_global_rank(group or dist.group.WORLD, (me - 1) % n))
+
+
+def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int) -> None:
+    """Send to one neighbour while receiving from the other.
+
+    Both must be in flight at once: if every rank first did a blocking send, all would
+    wait for a receiver and the ring would deadlock.
+    """
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_buf, to_rank),
+                                   dist.P2POp(dist.irecv, recv_buf, from_rank)])
+    for req in reqs:
+        req.wait()
+
+
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Like ``dist.reduce_scatter_single`` (``reduce_scatter_tensor``) with SUM.
+
+    ``input`` holds N equal chunks (``input.numel() == N * output.numel()``); chunk r of
+    the sum over ranks lands in ``output`` on rank r.
+    """
+    # BEGIN SOLUTION collectives.reduce_scatter: pass a running sum around the ring for N-1 steps; rank r must end with chunk r
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if input.numel() != n * output.numel():
+        raise ValueError(f"input has {input.numel()} elements; expected {n} x {output.numel()}")
+    chunks = input.reshape(n, -1)
+    if n == 1:
+        output.copy_(chunks[0].view_as(output))
+        return
+    to_rank, from_rank = ring_neighbours(group)
+    # Start with the chunk that, after N-1 hops and additions, arrives complete at its owner.
+    partial = chunks[(me - 1) % n].clone()
+    incoming = torch.empty_like(partial)
+    for step in range(1, n):
+        exchange(partial, incoming, to_rank, from_rank)
+        # What arrives is the running sum of chunk (me - 1 - step) from the ranks behind us.
+        partial = incoming + chunks[(me - 1 - step) % n]
+    output.copy_(partial.view_as(output))
+    # END SOLUTION
+
+
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """Like ``dist.all_gather_single`` (``all_gather_into_tensor``).
+
+    ``output`` (contiguous, N times the size of ``input``) receives every rank's ``input``, in rank order.
+    """
+    # BEGIN SOLUTION collectives.all_gather: forward the chunk you received last step to the next rank, N-1 times
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(f"output has {output.numel()} elements; expected {n} x {input.numel()}")
+    chunks = output.view(n, -1)  # a view: receiving into a row fills ``output`` directly
+    chunks[me].copy_(input.reshape(-1))
+    to_rank, from_rank = ring_neighbours(group)
+    for step in range(n - 1):
+        # Forward the chunk that arrived last step (our own at first); receive the one behind.
+        exchange(chunks[(me - step) % n], chunks[(me - step - 1) % n], to_rank, from_rank)
+    # END SOLUTION
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> None:
+    """Like ``dist.all_reduce`` with SUM, in place, for a tensor of any shape and size."""
+    # BEGIN SOLUTION collectives.all_reduce: pad to a multiple of N, ring_reduce_scatter into your chunk, then ring_all_gather
+    n = dist.get_world_size(group)
+    flat = tensor.reshape(-1)
+    chunk = -(-flat.numel() // n)  # ceil: the last chunks are padded with zeros
+    padded = torch.zeros(n * chunk, dtype=tensor.dtype, device=tensor.device)
+    padded[: flat.numel()] = flat
+    mine = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+    ring_reduce_scatter(mine, padded, group)
+    ring_all_gather(padded, mine, group)
+    tensor.copy_(padded[: flat.numel()].view_as(tensor))
+    # END SOLUTION

@@ -1,0 +1,177 @@
+"""The models the labs parallelise: a tiny GPT and a toy MLP with awkward parameters.
+
+Both are built so that every process that calls `GPT(config, seed=0)` (or
+`ToyModel(seed=0)`) holds bit-identical weights, whatever the global RNG has
+been doing. That is what lets a learner compare a parallel run against a
+single-process reference one number at a time.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 32
+    block_size: int = 16  # longest sequence the position embedding covers
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 32
+    bias: bool = True  # biases in the Linear and LayerNorm layers
+    tie_weights: bool = True  # lm_head reuses the token-embedding matrix
+    # No dropout on purpose: the labs compare runs step by step, so training
+    # has to be a deterministic function of the seed and the data.
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        # Count heads from the tensor, not the config: a tensor-parallel shard
+        # of c_attn holds only some of the heads and then runs unchanged.
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, heads, T, head_dim]
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # heads side by side again
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """One transformer layer, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    def __init__(self, config, seed=0):
+        super().__init__()
+        self.config = config
+        # nn.Linear and nn.Embedding draw their default init from the global
+        # RNG; fork it so that building a model leaves the caller's stream as
+        # it was. Every value is overwritten by _init_weights below anyway.
+        with torch.random.fork_rng(devices=[]):
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            self.blocks = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_weights:
+            # One Parameter, two modules: its gradient is the sum of both uses.
+            self.lm_head.weight = self.wte.weight
+        self._init_weights(seed)
+
+    @torch.no_grad()
+    def _init_weights(self, seed):
+        gen = torch.Generator().manual_seed(seed)
+        seen = set()  # a tied weight is drawn once, at its first owner
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if id(module.weight) not in seen:
+                    seen.add(id(module.weight))
+                    module.weight.normal_(0.0, 0.02, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence of {T} tokens, block_size is {self.config.block_size}"
+        positions = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(positions)  # [B, T, n_embd]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab_size]
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+
+def num_params(model):
+    """Number of parameter values, frozen ones included, a tied Parameter counted once."""
+    # model.parameters() already yields each Parameter object a single time.
+    return sum(p.numel() for p in model.parameters())
+
+
+class ToyModel(nn.Module):
+    """A small MLP with every kind of parameter that trips up a parallel wrapper.
+
+        h   = tanh(x @ shared.T + bias_in)        # [.., d_hidden]
+        h   = tanh(frozen(h)) * scale
+        out = h @ shared + bias_out               # [.., d_out], d_out == d_in
+
+    - `shared` (Parameter [d_hidden, d_in]) is TIED: the input projection and
+      the output projection (its transpose) are the same Parameter, so its
+      gradient is the sum of two contributions.
+    - `frozen` (nn.Linear d_hidden -> d_hidden) is FROZEN: weight and bias have
+      requires_grad=False, never get a .grad, and must never change.
+    - `unused` (Parameter [d_hidden]) is UNUSED: it requires grad but forward
+      never reads it, so its .grad stays None after backward.
+    - `bias_in`, `bias_out` are ordinary trainable biases.
+    - `scale` is a BUFFER (state, not a parameter): saved in the state_dict,
+      read in forward, never trained.
+    """
+
+    def __init__(self, d_in=8, d_hidden=16, d_out=8, seed=0):
+        super().__init__()
+        assert d_in == d_out, "the output projection is the transpose of the input one"
+        gen = torch.Generator().manual_seed(seed)
+
+        def draw(*shape, std):
+            return torch.randn(*shape, generator=gen) * std
+
+        self.shared = nn.Parameter(draw(d_hidden, d_in, std=1 / math.sqrt(d_in)))
+        self.bias_in = nn.Parameter(draw(d_hidden, std=0.1))
+        with torch.random.fork_rng(devices=[]):  # keep the global RNG untouched
+            self.frozen = nn.Linear(d_hidden, d_hidden)
+        with torch.no_grad():
+            self.frozen.weight.copy_(draw(d_hidden, d_hidden, std=1 / math.sqrt(d_hidden)))
+            self.frozen.bias.copy_(draw(d_hidden, std=0.1))  # non-zero, so a change shows
+        self.frozen.requires_grad_(False)
+        self.bias_out = nn.Parameter(draw(d_out, std=0.1))
+        self.unused = nn.Parameter(draw(d_hidden, std=1.0))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_hidden))
+
+    def forward(self, x):
+        h = torch.tanh(F.linear(x, self.shared, self.bias_in))
+        h = torch.tanh(self.frozen(h)) * self.scale
+        return F.linear(h, self.shared.t(), self.bias_out)
+
+
+def toy_loss(model, x, y):
+    return F.mse_loss(model(x), y)

@@ -1,0 +1,183 @@
+"""Shared matplotlib figures for the chapters and labs.
+
+Every function builds and returns a ``matplotlib.figure.Figure`` and never calls
+``plt.show()`` itself. Figures are created through pyplot, so in a notebook
+``viz.plot_...(...); plt.show()`` displays them (the inline backend also shows open figures
+at the end of a cell: don't ``display()`` the returned figure as well, or it appears twice).
+A script can ``fig.savefig(...)`` under any backend (Agg too) and ``plt.close(fig)`` after.
+"""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+import matplotlib.pyplot as plt
+from matplotlib.colors import BoundaryNorm, ListedColormap
+from matplotlib.patches import Rectangle
+
+from labkit.comm import wire_bytes
+
+
+def ring_schedule(world_size: int) -> list[tuple[str, int, list[tuple[int, int, int]]]]:
+    """The ring all-reduce's steps as ``(phase, step, [(src, dst, chunk), ...])``.
+
+    Rank r sends to r+1. Reduce-scatter step s (1..N-1): rank r sends its running sum of
+    chunk (r-s) mod N; afterwards rank r owns the complete chunk r. All-gather step s:
+    rank r forwards chunk (r-s+1) mod N, the complete chunk it got last (its own at first).
+    """
+    n = world_size
+    steps = [("reduce-scatter", s, [(r, (r + 1) % n, (r - s) % n) for r in range(n)])
+             for s in range(1, n)]
+    steps += [("all-gather", s, [(r, (r + 1) % n, (r - s + 1) % n) for r in range(n)])
+              for s in range(1, n)]
+    return steps
+
+
+def plot_ring_steps(world_size: int = 4):
+    """Grid of ranks x chunks per step, coloured by how many ranks' data each chunk holds.
+
+    Panel 0 is the input; then one panel per reduce-scatter and all-gather step, with the
+    chunk each rank received in that step outlined and labelled with its sender.
+    """
+    n = world_size
+    counts = [[1] * n for _ in range(n)]          # counts[rank][chunk]
+    panels = [("input", 0, None, [row[:] for row in counts])]
+    for phase, step, sends in ring_schedule(n):
+        snapshot = [row[:] for row in counts]     # every rank sends before anyone adds
+        for src, dst, chunk in sends:
+            if phase == "reduce-scatter":
+                counts[dst][chunk] += snapshot[src][chunk]
+            else:
+                counts[dst][chunk] = snapshot[src][chunk]
+        panels.append((phase, step, sends, [row[:] for row in counts]))
+
+    cols = min(len(panels), n)
+    rows = math.ceil(len(panels) / cols)
+    fig = plt.figure(figsize=(2.4 * cols, 2.3 * rows + 0.6))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    cmap = ListedColormap(matplotlib.colormaps["Blues"]([0.15 + 0.8 * k / n for k in range(1, n + 1)]))
+    norm = BoundaryNorm([k + 0.5 for k in range(n + 1)], cmap.N)
+    for ax, (phase, step, sends, grid) in zip(axes.flat, panels):
+        ax.imshow(grid, cmap=cmap, norm=norm)
+        for r in range(n):
+            for c in range(n):
+                ax.text(c, r, grid[r][c], ha="center", va="center", fontsize=9,
+                        color="white" if grid[r][c] > n / 2 else "black")
+        for src, dst, chunk in sends or []:
+            ax.add_patch(Rectangle((chunk - 0.5, dst - 0.5), 1, 1, fill=False,
+                                   edgecolor="tab:red", linewidth=2))
+            ax.text(chunk + 0.45, dst + 0.45, f"\u2190r{src}", ha="right", va="bottom",
+                    fontsize=6.5, color="tab:red", bbox=dict(boxstyle="square,pad=0.1", fc="white", ec="none"))
+        ax.set_title("input" if sends is None else f"{phase} {step}", fontsize=9)
+        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"Ring all-reduce on {n} ranks\nnumber = how many ranks' data the chunk holds; "
+                 f"red = received this step (\u2190 from rank)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_cost_curves(models: dict, world_sizes=(2, 8, 64), alpha: float = 5e-6,
+                     beta: float = 1 / 50e9, sizes=None, mark_size: float | None = None):
+    """Predicted time vs message size (log-log): one colour per N, one line style per model.
+
+    ``models`` maps a name to ``f(size_bytes, world, alpha, beta) -> seconds``, e.g.
+    ``{"ring": labkit.comm.ring_all_reduce_time}``.
+    """
+    sizes = sizes if sizes is not None else [2.0 ** k for k in range(10, 35)]
+    styles = ["-", "--", ":", "-."]
+    fig = plt.figure(figsize=(6.5, 4.2))
+    ax = fig.subplots()
+    for i, n in enumerate(world_sizes):
+        color = f"C{i}"
+        for j, (name, model) in enumerate(models.items()):
+            ax.plot(sizes, [model(s, n, alpha, beta) for s in sizes], styles[j % 4], color=color,
+                    label=f"{name}, N={n}")
+    if mark_size is not None:
+        ax.axvline(mark_size, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("message size S (bytes)")
+    ax.set_ylabel("predicted time (s)")
+    ax.set_title(f"\u03b1-\u03b2 model, \u03b1 = {alpha * 1e6:g} \u00b5s, 1/\u03b2 = {1 / beta / 1e9:g} GB/s",
+                 fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7, ncol=len(world_sizes))
+    fig.tight_layout()
+    return fig
+
+
+def plot_bandwidth(sizes_bytes, seconds_by_label: dict, world_size: int, fit=None,
+                   kind: str = "all_reduce"):
+    """Measured time (left) and bandwidth (right) vs message size, one line per label.
+
+    Algorithm bandwidth is S/t; bus bandwidth scales it by the bytes a rank puts on the
+    wire per byte of S (2(N-1)/N for all-reduce), so that it is comparable with a link's
+    speed whatever N is. ``fit=(a, b)`` adds the model t = a + b*S (dashed), as returned
+    by ``labkit.comm.fit_alpha_beta(sizes_bytes, seconds)``.
+    """
+    factor = wire_bytes(kind, 1.0, world_size) or 1.0
+    fig = plt.figure(figsize=(10, 3.8))
+    ax_t, ax_bw = fig.subplots(1, 2)
+    for i, (label, seconds) in enumerate(seconds_by_label.items()):
+        alg = [s / t / 1e9 for s, t in zip(sizes_bytes, seconds)]
+        ax_t.plot(sizes_bytes, seconds, "o-", color=f"C{i}", label=label)
+        ax_bw.plot(sizes_bytes, [b * factor for b in alg], "o-", color=f"C{i}", label=f"{label}: bus")
+        if factor != 1.0:
+            ax_bw.plot(sizes_bytes, alg, "o:", color=f"C{i}", alpha=0.6, label=f"{label}: algorithm")
+    if fit is not None:
+        a, b = fit
+        dense = [min(sizes_bytes) * (max(sizes_bytes) / min(sizes_bytes)) ** (k / 64) for k in range(65)]
+        dense = [s for s in dense if a + b * s > 0]  # a poor fit (a < 0) has no time at small S
+        model = [a + b * s for s in dense]
+        ax_t.plot(dense, model, "k--", linewidth=1, label=f"fit: t = {a * 1e6:.3g} \u00b5s + S \u00d7 {b * 1e9:.3g} ns/B")
+        ax_bw.plot(dense, [s / t / 1e9 * factor for s, t in zip(dense, model)], "k--", linewidth=1,
+                   label="fit: bus")
+    for ax in (ax_t, ax_bw):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size S (bytes)")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_t.set_ylabel("time (s)")
+    ax_bw.set_ylabel("bandwidth (GB/s)")
+    fig.suptitle(f"{kind}, N = {world_size} (bus bandwidth = algorithm bandwidth \u00d7 {factor:.3g})",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(spans, title: str = "", colors: dict | None = None, lanes: dict | None = None):
+    """One row of bars per rank: ``spans`` are ``(rank, start, end, label)`` tuples.
+
+    Bars with the same label share a colour (``colors`` may fix some); rank 0 is on top.
+    ``lanes`` maps labels to sub-rows (0 = top, e.g. ``{"all-reduce": 1}``), so work that
+    overlaps on one rank (compute and communication streams) is drawn side by side.
+    """
+    spans = list(spans)
+    labels = list(dict.fromkeys(label for _, _, _, label in spans))
+    colors = dict(colors or {})
+    for i, label in enumerate(l for l in labels if l not in colors):
+        colors[label] = f"C{i % 10}"
+    ranks = sorted({rank for rank, _, _, _ in spans})
+    lanes = dict(lanes or {})
+    depth = max(lanes.values(), default=0) + 1
+    fig = plt.figure(figsize=(8, 0.5 * depth * len(ranks) + 1.4))
+    ax = fig.subplots()
+    for rank, start, end, label in spans:
+        lane = lanes.get(label, 0)
+        ax.barh(rank - 0.35 + (lane + 0.5) * 0.7 / depth, end - start, left=start,
+                height=0.7 / depth, color=colors[label], edgecolor="black", linewidth=0.5)
+    for label in labels:
+        ax.barh(0, 0, color=colors[label], label=label)  # empty bar: one legend entry per label
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks, default=0) + 0.6, min(ranks, default=0) - 0.6)
+    ax.set_xlabel("time")
+    ax.set_title(title, fontsize=10)
+    if labels:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig

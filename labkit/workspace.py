@@ -1,0 +1,131 @@
+"""Solution regions, the task registry, and the learner workspace made from them.
+
+An exercise body in ``labkit/*.py`` sits between a line ``# BEGIN SOLUTION <task>: <hint>``
+(the task id, such as ``ddp.bucketed``, and a one-line hint for the learner) and a line
+``# END SOLUTION``. ``make_workspace`` copies the course and replaces every region with
+``raise NotImplementedError("<task>: <hint>")`` at the same indentation;
+chapters, labs and tests come along unchanged (lab outputs are cleared).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>[a-z0-9_]+\.[a-z0-9_]+):?\s*(?P<hint>.*)$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
+COPIED = ["README.md", "pyproject.toml", "environment.yml", ".gitignore",
+          "labkit", "chapters", "labs", "tests"]
+IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
+
+
+@dataclass(frozen=True)
+class Region:
+    task: str
+    hint: str
+    path: Path
+    begin: int   # 0-based line numbers of the two marker lines
+    end: int
+
+
+def package_dir() -> Path:
+    return Path(__file__).resolve().parent
+
+
+def course_root() -> Path:
+    """The checkout (or workspace) this labkit was imported from."""
+    root = package_dir().parent
+    if not (root / "pyproject.toml").exists() or not (root / "tests").is_dir():
+        raise RuntimeError(f"labkit at {package_dir()} is not inside a course checkout; "
+                           "run from a clone of the repository (pip install -e .)")
+    return root
+
+
+def is_student_workspace(root: Path | None = None) -> bool:
+    return ((root or package_dir().parent) / MARKER_FILE).exists()
+
+
+def find_regions(path: Path) -> list[Region]:
+    """The solution regions of one file, checked for balance."""
+    regions, open_at = [], None
+    for i, line in enumerate(path.read_text().splitlines()):
+        begin = BEGIN.match(line)
+        if begin:
+            if open_at is not None:
+                raise ValueError(f"{path}:{i + 1}: BEGIN SOLUTION inside the region opened at line {open_at[0] + 1}")
+            if not begin["hint"].strip():
+                raise ValueError(f"{path}:{i + 1}: BEGIN SOLUTION {begin['task']} has no hint")
+            open_at = (i, begin)
+        elif END.match(line):
+            if open_at is None:
+                raise ValueError(f"{path}:{i + 1}: END SOLUTION without BEGIN SOLUTION")
+            start, m = open_at
+            regions.append(Region(m["task"], m["hint"].strip(), path, start, i))
+            open_at = None
+        elif "BEGIN SOLUTION" in line and line.lstrip().startswith("#"):
+            raise ValueError(f"{path}:{i + 1}: malformed marker; expected '# BEGIN SOLUTION <chapter>.<task>: <hint>'")
+    if open_at is not None:
+        raise ValueError(f"{path}:{open_at[0] + 1}: BEGIN SOLUTION is never closed")
+    return regions
+
+
+def all_regions(pkg: Path | None = None) -> list[Region]:
+    return [r for path in sorted((pkg or package_dir()).glob("*.py")) for r in find_regions(path)]
+
+
+def tasks(pkg: Path | None = None) -> dict[str, str]:
+    """Task id -> hint (the first region's), for every exercise in the package."""
+    found: dict[str, str] = {}
+    for region in all_regions(pkg):
+        found.setdefault(region.task, region.hint)
+    return found
+
+
+def stub_source(path: Path) -> str:
+    """The file's text with every solution region replaced by its stub."""
+    lines = path.read_text().splitlines(keepends=True)
+    for region in reversed(find_regions(path)):
+        indent = BEGIN.match(lines[region.begin])["indent"]
+        message = f"{region.task}: {region.hint}"
+        lines[region.begin:region.end + 1] = [f"{indent}raise NotImplementedError({message!r})\n"]
+    source = "".join(lines)
+    compile(source, str(path), "exec")  # a stub that does not even import is a bug here
+    return source
+
+
+def clear_outputs(notebook: Path) -> None:
+    nb = json.loads(notebook.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    notebook.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+
+
+def make_workspace(dest: Path, root: Path | None = None, force: bool = False) -> list[Region]:
+    """Copy the course to ``dest`` with every solution region stubbed out."""
+    root = root or course_root()
+    dest = Path(dest).resolve()
+    if dest == root or any(root / name in (dest, *dest.parents) for name in COPIED):
+        raise ValueError(f"refusing to write the workspace over the course itself ({dest})")
+    if dest.exists() and any(dest.iterdir()):
+        if not force:
+            raise FileExistsError(f"{dest} exists and is not empty (use --force to replace it)")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        src = root / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=IGNORED)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    regions = all_regions(root / "labkit")
+    for path in sorted({r.path for r in regions}):
+        (dest / "labkit" / path.name).write_text(stub_source(path))
+    for notebook in (dest / "labs").glob("*.ipynb"):
+        clear_outputs(notebook)  # the lab's results come from the learner's own code
+    (dest / MARKER_FILE).write_text("\n".join(sorted({r.task for r in regions})) + "\n")
+    return regions

@@ -1,0 +1,107 @@
+"""Solution regions, stubs, the task registry and the score/Gradescope formats."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from labkit import grading, workspace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXERCISE = '''\
+def add(a, b):
+    """Return a + b."""
+    # BEGIN SOLUTION demo.add: use the + operator
+    total = a + b
+    return total
+    # END SOLUTION
+
+
+class Thing:
+    def method(self):
+        if True:
+            # BEGIN SOLUTION demo.method: return 42
+            return 42
+            # END SOLUTION
+'''
+
+
+def test_solution_regions_become_stubs_at_their_indentation(tmp_path):
+    path = tmp_path / "demo.py"
+    path.write_text(EXERCISE)
+    regions = workspace.find_regions(path)
+    assert [(r.task, r.hint, r.begin, r.end) for r in regions] == [
+        ("demo.add", "use the + operator", 2, 5), ("demo.method", "return 42", 11, 13)]
+    stub = workspace.stub_source(path)
+    assert "BEGIN SOLUTION" not in stub and "total = a + b" not in stub
+    assert "    raise NotImplementedError('demo.add: use the + operator')\n" in stub
+    assert "            raise NotImplementedError('demo.method: return 42')\n" in stub
+    namespace = {}
+    exec(compile(stub, "demo.py", "exec"), namespace)
+    with pytest.raises(NotImplementedError, match="demo.add: use the"):
+        namespace["add"](1, 2)
+
+
+@pytest.mark.parametrize("source, words", [
+    ("# BEGIN SOLUTION a.b: hint\n", "never closed"),
+    ("# END SOLUTION\n", "without BEGIN"),
+    ("# BEGIN SOLUTION a.b: x\n# BEGIN SOLUTION a.c: y\n# END SOLUTION\n", "inside the region"),
+    ("# BEGIN SOLUTION a.b\n# END SOLUTION\n", "has no hint"),
+    ("# BEGIN SOLUTION Not-A-Task hint\n# END SOLUTION\n", "malformed marker"),
+])
+def test_malformed_regions_are_refused(tmp_path, source, words):
+    path = tmp_path / "bad.py"
+    path.write_text(source)
+    with pytest.raises(ValueError, match=words):
+        workspace.find_regions(path)
+
+
+def test_every_task_has_graded_tests_and_every_graded_test_a_known_task():
+    known = grading.known_tasks(ROOT)  # in a workspace: the list the stubs were made from
+    assert known, "no solution regions found in labkit/"
+    graded = set()
+    for path in (ROOT / "tests" / "grading").glob("test_*.py"):
+        graded |= set(re.findall(r'@task\("([^"]+)"', path.read_text()))
+    assert graded - known == set(), f"tests grade unknown tasks: {graded - known}"
+    assert known - graded == set(), f"tasks without graded tests: {known - graded}"
+
+
+def test_grading_files_resolve_chapter_numbers_and_names():
+    by_number = grading.grading_files(["00"], ROOT)
+    assert by_number == grading.grading_files(["collectives"], ROOT)
+    assert by_number == [ROOT / "tests" / "grading" / "test_collectives.py"]
+    with pytest.raises(ValueError, match="no graded chapter 'nope'"):
+        grading.grading_files(["nope"], ROOT)
+
+
+RECORDS = [
+    dict(name="t::a[1]", task="x.one", points=1.0, outcome="passed", output=""),
+    dict(name="t::a[2]", task="x.one", points=1.0, outcome="failed", output="x.one: rank 1 off by 2"),
+    dict(name="t::b", task="x.two", points=3.0, outcome="passed", output=""),
+    dict(name="t::c", task="x.two", points=0.5, outcome="skipped", output="skipped: no GPU"),
+]
+
+
+def test_scores_add_up_per_task():
+    scores = grading.score_by_task(RECORDS)
+    assert [(s.task, s.passed, s.total, s.score, s.max_score) for s in scores] == [
+        ("x.one", 1, 2, 1.0, 2.0), ("x.two", 1, 2, 3.0, 3.5)]
+    table = grading.format_table(scores)
+    assert "x.one" in table and "1/2" in table and "4/5.5" in table.splitlines()[-1]
+
+
+def test_gradescope_results_have_the_required_fields():
+    results = grading.gradescope_results(RECORDS)
+    assert (results["score"], results["max_score"]) == (4.0, 5.5)
+    assert [t["score"] for t in results["tests"]] == [1.0, 0.0, 3.0, 0.0]
+    for test, record in zip(results["tests"], RECORDS):
+        assert set(test) == {"name", "score", "max_score", "output", "visibility"}
+        assert test["name"].startswith(record["task"]) and test["max_score"] == record["points"]
+    assert results["tests"][1]["output"] == "x.one: rank 1 off by 2"
+
+
+def test_long_failure_output_is_truncated():
+    record = dict(RECORDS[1], output="x" * (grading.OUTPUT_LIMIT + 100))
+    output = grading.gradescope_results([record])["tests"][0]["output"]
+    assert len(output) < grading.OUTPUT_LIMIT + 50 and output.endswith("(truncated)")
