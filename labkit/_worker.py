@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 
-def die_with_parent(parent_pid: int, watch: bool = True) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Never outlive ``parent_pid``, even if it is SIGKILLed."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -31,12 +31,13 @@ def die_with_parent(parent_pid: int, watch: bool = True) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # it died before prctl took effect
         os._exit(1)
-    if watch:  # also covers macOS, which has no PR_SET_PDEATHSIG
-        def watcher():
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            os._exit(1)
-        threading.Thread(target=watcher, name="labkit-parent-watch", daemon=True).start()
+
+    def watcher():  # also covers macOS, which has no PR_SET_PDEATHSIG
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watcher, name="labkit-parent-watch", daemon=True).start()
 
 
 def run_forked(spec_path: str) -> None:

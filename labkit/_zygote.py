@@ -55,8 +55,9 @@ def _fork_rank(spec_path: str) -> int:
 
 
 def main() -> None:
+    # No PR_SET_PDEATHSIG here: it fires when the *thread* that started us exits, and a
+    # caller may launch from a short-lived thread. The loop below watches the caller instead.
     caller = os.getppid()
-    _worker.die_with_parent(caller, watch=False)
     for module in PRELOAD:
         importlib.import_module(module)
     children: dict[int, str] = {}

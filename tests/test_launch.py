@@ -225,13 +225,18 @@ def test_concurrent_launches_from_threads_do_not_collide():
 
 def test_concurrent_launches_from_separate_processes_do_not_collide(tmp_path):
     body = """
-        import torch, torch.distributed as dist, labkit
+        import threading, torch, torch.distributed as dist, labkit
         def reduce_ranks():
             t = torch.tensor([float(dist.get_rank() + 1)])
             dist.all_reduce(t)
             return t.item()
         if __name__ == "__main__":
-            print("RESULTS", [labkit.launch(reduce_ranks, 2) for _ in range(5)])
+            # The first launch comes from a thread that then ends: the rank server it
+            # started must outlive that thread and serve the launches that follow.
+            first = []
+            starter = threading.Thread(target=lambda: first.append(labkit.launch(reduce_ranks, 2)))
+            starter.start(); starter.join()
+            print("RESULTS", first + [labkit.launch(reduce_ranks, 2) for _ in range(4)])
     """
     procs = []
     for i in range(2):
