@@ -29,11 +29,10 @@ def tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tree_leaves(tensors):
         if isinstance(t, torch.Tensor):
-            t = _local(t)
-            key = (t.device, t.untyped_storage().data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
+            storage = _local(t).untyped_storage()
+            if storage._cdata not in seen:  # the storage itself, not its address: meta ones share 0
+                seen.add(storage._cdata)
+                total += storage.nbytes()
     return total
 
 
@@ -87,8 +86,7 @@ class PeakMemory(TorchDispatchMode):
         self.device = torch.device(device) if device is not None else _device_of(alive)
         self.alive = alive
         self.peak_bytes = 0
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self._live_bytes = 0
+        self._live: dict[int, StorageWeakRef] = {}
 
     def __enter__(self):
         if self.device.type == "cuda":
@@ -97,7 +95,7 @@ class PeakMemory(TorchDispatchMode):
             return self  # the allocator keeps count; no need to watch ops
         for t in _tensors_of(self.alive):
             self._track(t)
-        self.peak_bytes = self._live_bytes
+        self.peak_bytes = self.live_bytes()
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -109,24 +107,28 @@ class PeakMemory(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self._forget_freed()  # first: a new storage may reuse a freed one's address
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._track(t)
-        self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
 
     def _track(self, t: torch.Tensor) -> None:
         storage = _local(t).untyped_storage()
-        ref = StorageWeakRef(storage)
-        if ref.cdata not in self._live:  # views share their base's storage: count it once
-            self._live[ref.cdata] = (ref, storage.nbytes())
-            self._live_bytes += storage.nbytes()
+        known = self._live.get(storage._cdata)  # views share their base's storage: count it once
+        if known is None or known.expired():  # (an expired entry: a freed storage's address reused)
+            self._live[storage._cdata] = StorageWeakRef(storage)
 
-    def _forget_freed(self) -> None:
-        freed = [key for key, (ref, _) in self._live.items() if ref.expired()]
-        for key in freed:
-            self._live_bytes -= self._live.pop(key)[1]
+    def live_bytes(self) -> int:
+        """Bytes of the tracked storages still alive, at their current size: storages can be
+        resized in place (FSDP frees unsharded parameters with ``resize_(0)``)."""
+        total = 0
+        for key, ref in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]  # freed; a new storage may reuse its address (and key)
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
 
 
 def _tensors_of(things) -> list[torch.Tensor]:
