@@ -160,6 +160,10 @@ def _group_size(named: dict) -> int:
 def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
     """Fit t = alpha + beta * bytes: latency (s) and inverse bandwidth (s/B).
 
+    Whatever (bytes, seconds) pairs you pass is what gets fitted. To get the *per-message*
+    alpha and beta that ``ring_all_reduce_time`` takes from whole all-reduce timings, pass
+    the message size S/N and the time per step t / (2(N-1)).
+
     Sizes span decades, so an ordinary least-squares fit would be all about the largest
     messages and leave alpha to noise; we minimise the *relative* error instead (each row
     weighted by 1/t), so small and large messages count alike.
@@ -173,7 +177,10 @@ def fit_alpha_beta(sizes_bytes, seconds) -> tuple[float, float]:
 
 
 def ring_all_reduce_time(size_bytes: float, world: int, alpha: float, beta: float) -> float:
-    """alpha-beta model of a ring all-reduce: 2(N-1) steps, each moving S/N bytes."""
+    """alpha-beta model of a ring all-reduce: 2(N-1) steps, each moving S/N bytes.
+
+    ``alpha`` and ``beta`` are per message (one send of one step), not per all-reduce.
+    """
     if world <= 1:
         return 0.0
     steps = 2 * (world - 1)
