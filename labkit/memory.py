@@ -45,8 +45,19 @@ def grad_bytes(module: torch.nn.Module) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer's per-parameter state (Adam's moments, step counters...)."""
-    return tensor_bytes([list(state.values()) for state in optimizer.state.values()])
+    """Bytes of the optimizer's per-parameter state (Adam's moments, step counters...).
+
+    Wrappers that keep the real state in an inner optimizer (``ZeroRedundancyOptimizer``
+    holds its shard's state in ``.optim``) are counted through it.
+    """
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        return optimizer_state_bytes(inner) + tensor_bytes(_state_tensors(optimizer))
+    return tensor_bytes(_state_tensors(optimizer))
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list:
+    return [list(state.values()) for state in optimizer.state.values()]
 
 
 @dataclass

@@ -292,3 +292,20 @@ def test_meta_tensors_are_counted_per_storage_not_per_address():
     with torch.device("meta"):
         layer = torch.nn.Linear(1000, 1000)
     assert param_bytes(layer) == (1000 * 1000 + 1000) * 4
+
+
+def zero_redundancy_state_bytes():
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    model = nn.Linear(16, 16)
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    inner = sum(t.nbytes for s in opt.optim.state.values() for t in s.values())
+    return optimizer_state_bytes(opt), inner
+
+
+def test_wrapped_optimizer_state_is_counted_through_the_inner_optimizer():
+    # ZeroRedundancyOptimizer keeps this rank's shard of the state in .optim.
+    import labkit
+    for counted, inner in labkit.launch(zero_redundancy_state_bytes, 2):
+        assert counted == inner > 0
