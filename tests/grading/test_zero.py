@@ -1,0 +1,338 @@
+"""Graded tests for chapter 03: ZeRO stages 1 and 2 (``labkit/zero.py``).
+
+Every check runs on every rank at world sizes 1-4 (3 gives uneven shards) on two models:
+``ToyModel`` (a tied, a frozen and an unused parameter) and a small ``GPT`` (tied
+embedding/head; its position embedding frozen here), both in float64 (see ``make_toy``).
+Each rank trains on its slice of a global batch of 12 for 5 AdamW steps and, after every
+step, compares every parameter with
+
+* a single-process AdamW trained on the whole global batch (each rank computes it);
+* for stage 1, ``torch.distributed.optim.ZeroRedundancyOptimizer`` fed the same averaged
+  gradients (PyTorch ships no ZeRO-2 optimizer; FSDP's version is chapter 04).
+
+Then behaviour and memory: optimizer state per rank <= 1/N of the single-process state plus
+the largest parameter's; for stage 2, after backward each used parameter's gradient lives on
+exactly one rank, equals the averaged global gradient, and a rank holds at most Φ/N + the
+largest parameter of gradient bytes; the tracer sees no all-reduce, the gradient reduction
+issued during backward, and no more bytes than a reduce-scatter + all-gather of Φ (allowing
+one parameter of padding per rank) or a broadcast of every parameter, whichever is larger.
+Φ = bytes of the trainable parameters, a tied one counted once.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.check import assert_close
+from labkit.comm import CommTracer
+from labkit.data import markov_tokens, regression
+from labkit.grading import run_graded, task
+from labkit.memory import grad_bytes, optimizer_state_bytes, tensor_bytes
+from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
+
+WORLD_SIZES = [1, 2, 3, 4]
+STEPS = 5
+GLOBAL_BATCH = 12          # divisible by 1, 2, 3 and 4: every rank gets an equal slice
+OPTIMIZER = torch.optim.AdamW
+OPTIONS = dict(lr=1e-2, weight_decay=0.1)  # weight decay: a wrongly stepped frozen/unused param shows
+TRACED_STEP = 2            # the step whose communication is traced (never time under the tracer)
+
+
+# ----------------------------------------------------------------------------- models and data
+
+
+# float64: the GPT's key bias gets a gradient that is zero in exact arithmetic (softmax
+# ignores a shift), so what arrives is rounding noise. Adam divides by the gradient's own
+# RMS, which turns float32 noise (~1e-10, above eps) into lr-sized steps that differ between
+# any two summation orders; float64 noise stays far below eps and the check stays tight.
+def make_toy():
+    return ToyModel(seed=0).double()
+
+
+GPT_CONFIG = GPTConfig(block_size=8, n_embd=16)   # 2 layers, 2 heads, vocab 32: small and quick
+
+
+def make_gpt():
+    model = GPT(GPT_CONFIG, seed=0).double()   # lm_head.weight is wte.weight: tied
+    model.wpe.weight.requires_grad_(False)   # and one frozen parameter
+    return model
+
+
+def toy_data():
+    x, y = regression(STEPS * GLOBAL_BATCH, 8, 8, seed=1)
+    return x.double(), y.double()
+
+
+def gpt_data():
+    return markov_tokens(STEPS * GLOBAL_BATCH, GPT_CONFIG.block_size, GPT_CONFIG.vocab_size, seed=1)
+
+
+def gpt_loss(model, x, y):
+    return model(x, y)[1]
+
+
+MODELS = {"ToyModel": (make_toy, toy_data, toy_loss), "GPT": (make_gpt, gpt_data, gpt_loss)}
+
+
+def one_thread() -> None:
+    # Models this small gain nothing from intra-op threads, and ranks sharing a few cores
+    # with threads of their own mostly wait for each other.
+    torch.set_num_threads(1)
+
+
+def trainable(model) -> list[torch.Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def batch(x, y, step, rank=0, world=1):
+    """Rank ``rank``'s slice of the global batch of ``step``."""
+    rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+    return x[rows].chunk(world)[rank], y[rows].chunk(world)[rank]
+
+
+@dataclass
+class Reference:
+    grads: list[dict]      # per step, after backward: parameter name -> gradient (or None)
+    params: list[dict]     # per step, after the optimizer step: parameter name -> value
+    state_bytes: int       # optimizer state after the last step
+    largest_state_bytes: int   # of one parameter
+
+
+def single_process(model_name) -> Reference:
+    """Plain AdamW on the whole global batch, in this process. Every rank computes it: a
+    fraction of a second, less than the pytest process would spend importing what the
+    rank server has preloaded."""
+    make, data, loss_fn = MODELS[model_name]
+    model, (x, y) = make(), data()
+    opt = OPTIMIZER(trainable(model), **OPTIONS)
+    grads, params = [], []
+    for step in range(STEPS):
+        loss_fn(model, *batch(x, y, step)).backward()
+        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    per_param = [tensor_bytes(list(s.values())) for s in opt.state.values()]
+    return Reference(grads, params, optimizer_state_bytes(opt), max(per_param))
+
+
+def average_gradients(model, group=None) -> None:
+    """What DDP does for stage 1: every rank ends with the mean gradient."""
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dist.get_world_size(group))
+
+
+def compare_params(model, expected: dict, what: str) -> None:
+    for name, p in model.named_parameters():
+        assert_close(p.detach(), expected[name], f"{what}, parameter {name}")
+
+
+def sizes(model):
+    """(Φ, largest trainable parameter), in bytes."""
+    nbytes = [p.numel() * p.element_size() for p in trainable(model)]
+    return sum(nbytes), max(nbytes)
+
+
+def traffic_limit(phi: int, largest: int, n: int) -> float:
+    """Most bytes one rank may send to move Φ once (a gradient reduction or a parameter
+    gather): a ring reduce-scatter/all-gather sends (N-1)/N Φ, plus up to one parameter of
+    padding per rank; a reduce or broadcast of every parameter sends Φ."""
+    return 0.0 if n == 1 else max(phi, (n - 1) * (phi / n + largest))
+
+
+# ----------------------------------------------------------------------------- zero.partition
+
+
+def partition_on_rank() -> None:
+    from labkit.zero import partition_parameters
+    one_thread()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    cases = {
+        "ToyModel": trainable(make_toy()),
+        "GPT": trainable(make_gpt()),
+        "sizes 5,1,9,3,3,7,2": [torch.empty(s) for s in (5, 1, 9, 3, 3, 7, 2)],
+        "six equal sizes": [torch.empty(3) for _ in range(6)],
+        "fewer parameters than ranks": [torch.empty(4, 2), torch.empty(3)],
+    }
+    for label, params in cases.items():
+        what = f"zero.partition: rank {rank} of {n}, {label}"
+        parts = partition_parameters(params, n)
+        assert isinstance(parts, (list, tuple)) and len(parts) == n, \
+            f"{what}: expected one list of parameters per rank ({n}), got {type(parts).__name__} of {len(parts)}"
+        index = {id(p): i for i, p in enumerate(params)}
+        assigned = [[index.get(id(p), -1) for p in part] for part in parts]
+        flat = sorted(i for part in assigned for i in part)
+        assert flat == list(range(len(params))), (
+            f"{what}: every parameter must go to exactly one rank; got parameter indices per rank "
+            f"{assigned} (-1: not one of the given parameters)")
+        loads = [sum(params[i].numel() for i in part) for part in assigned]
+        largest = max(p.numel() for p in params)
+        assert max(loads) - min(loads) <= largest, (
+            f"{what}: elements per rank {loads} differ by {max(loads) - min(loads)}; greedy largest-first "
+            f"keeps them within the largest parameter ({largest})")
+        again = [[index[id(p)] for p in part] for part in partition_parameters(params, n)]
+        assert again == assigned, f"{what}: not deterministic: {assigned}, then {again}"
+        everyone = [None] * n
+        dist.all_gather_object(everyone, assigned)
+        for other, theirs in enumerate(everyone):
+            assert theirs == assigned, (f"{what}: rank {other} computed {theirs}, this rank {assigned}; "
+                                        "every rank must compute the same partition")
+
+
+@task("zero.partition", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_partition(world_size):
+    run_graded("zero.partition", partition_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- zero.stage1
+
+
+def stage1_on_rank(group_ranks=None, models=tuple(MODELS)) -> None:
+    # Imported here, on the ranks (whose server has it loaded), not in the pytest process:
+    # torch.distributed.optim compiles TorchScript at import, seconds of work.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from labkit.zero import ShardedOptimizer
+    one_thread()
+    rank = dist.get_rank()
+    group = dist.new_group(group_ranks) if group_ranks else None
+    if group_ranks and rank not in group_ranks:
+        return
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    for model_name in models:
+        make, data, loss_fn = MODELS[model_name]
+        ref = single_process(model_name)
+        (x, y), ours_model, zro_model = data(), make(), make()
+        ours = ShardedOptimizer(ours_model.parameters(), OPTIMIZER, group=group, **OPTIONS)
+        zro = ZeroRedundancyOptimizer(zro_model.parameters(), OPTIMIZER, process_group=group, **OPTIONS)
+        for step in range(STEPS):
+            for model in (ours_model, zro_model):
+                loss_fn(model, *batch(x, y, step, me, n)).backward()
+                average_gradients(model, group)
+            if step == TRACED_STEP:
+                with CommTracer() as tracer:
+                    ours.step()
+            else:
+                ours.step()
+            zro.step()
+            ours.zero_grad()
+            zro.zero_grad()
+            what = f"zero.stage1: rank {rank} (rank {me} of {n} in the group), {model_name}, after step {step}"
+            compare_params(ours_model, ref.params[step], what + " vs single-process AdamW")
+            compare_params(ours_model, dict(zro_model.named_parameters()), what + " vs ZeroRedundancyOptimizer")
+
+        what = f"zero.stage1: rank {rank} (rank {me} of {n}), {model_name}"
+        phi, largest = sizes(ours_model)
+        assert "all_reduce" not in tracer.kinds(), (
+            f"{what}: step() issued an all-reduce; stage 1 gets averaged gradients (from DDP) and only "
+            "has to send the updated parameters")
+        sent, limit = tracer.sent_bytes(), traffic_limit(phi, largest, n)
+        assert sent <= limit, (f"{what}: step() sent {sent:,.0f} bytes; moving every parameter once "
+                               f"needs at most {limit:,.0f} (Φ = {phi:,} bytes)\n{tracer.format()}")
+
+        # Memory: this rank's optimizer state covers its shard only.
+        mine = optimizer_state_bytes(ours)
+        total = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(total, group=group)
+        assert total.item() == ref.state_bytes, (
+            f"{what}: the ranks hold {total.item():,.0f} bytes of optimizer state together; the "
+            f"single-process AdamW holds {ref.state_bytes:,} (each trained parameter's state exactly once)")
+        bound = ref.state_bytes / n + ref.largest_state_bytes
+        assert mine <= bound, (f"{what}: {mine:,} bytes of optimizer state on this rank; expected at most "
+                               f"1/N of {ref.state_bytes:,} plus the largest parameter's "
+                               f"{ref.largest_state_bytes:,} = {bound:,.0f}")
+
+
+@task("zero.stage1", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stage1(world_size):
+    run_graded("zero.stage1", stage1_on_rank, world_size)
+
+
+@task("zero.stage1", points=1)
+def test_stage1_on_a_subgroup():
+    # Ranks 1-3 of 4 shard among themselves; rank 0 stays out. Chapter 08 shards the
+    # optimizer over the data-parallel group of a mesh, so group= must be honoured.
+    run_graded("zero.stage1", stage1_on_rank, 4, [1, 2, 3], models=("ToyModel",))
+
+
+# ----------------------------------------------------------------------------- zero.stage2
+
+
+def check_sharded_grads(model, expected: dict, phi: int, largest: int, what: str) -> None:
+    """After backward: this rank's gradients are the averaged global ones of its shard."""
+    n = dist.get_world_size()
+    names = [name for name, _ in model.named_parameters()]
+    holders = torch.zeros(len(names))
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if p.grad is not None:
+            holders[i] = 1
+            if expected[name] is None:
+                raise AssertionError(f"{what}: parameter {name} has a gradient, but no backward reaches it")
+            assert_close(p.grad, expected[name], f"{what}, gradient of {name} vs the single-process one")
+    held = grad_bytes(model)
+    assert held <= phi / n + largest, (
+        f"{what}: this rank holds {held:,} bytes of gradients after backward; ZeRO-2 keeps its shard "
+        f"only: at most Φ/N + the largest parameter = {phi / n + largest:,.0f} (Φ = {phi:,})")
+    dist.all_reduce(holders)
+    for name, count in zip(names, holders.tolist()):
+        wanted = 0 if expected[name] is None else 1
+        assert count == wanted, (f"{what}: parameter {name} has a gradient on {count:.0f} ranks after "
+                                 f"backward; expected {wanted} (its owner{'' if wanted else ': none reaches it'})")
+
+
+def stage2_on_rank() -> None:
+    from labkit.zero import ShardedOptimizer
+    one_thread()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for model_name, (make, data, loss_fn) in MODELS.items():
+        ref = single_process(model_name)
+        (x, y), ours_model = data(), make()
+        ours = ShardedOptimizer(ours_model.parameters(), OPTIMIZER, shard_gradients=True, **OPTIONS)
+        phi, largest = sizes(ours_model)
+        for step in range(STEPS):
+            what = f"zero.stage2: rank {rank} of {n}, {model_name}, step {step}"
+            traced = step == TRACED_STEP
+            with CommTracer() if traced else nullcontext() as in_backward:
+                loss_fn(ours_model, *batch(x, y, step, rank, n)).backward()
+            check_sharded_grads(ours_model, ref.grads[step], phi, largest, what + ", after backward")
+            with CommTracer() if traced else nullcontext() as in_step:
+                ours.step()
+            if traced:
+                check_stage2_traffic(in_backward, in_step, phi, largest, what)
+            ours.zero_grad()
+            compare_params(ours_model, ref.params[step], what + ", after the step, vs single-process AdamW")
+
+
+def check_stage2_traffic(in_backward: CommTracer, in_step: CommTracer, phi: int, largest: int, what: str) -> None:
+    n = dist.get_world_size()
+    report = f"\nduring backward:\n{in_backward.format()}\nduring step():\n{in_step.format()}"
+    assert "all_reduce" not in in_backward.kinds() | in_step.kinds(), (
+        f"{what}: an all-reduce was issued; ZeRO-2 reduce-scatters the gradients (each rank receives "
+        f"its shard's sum only){report}")
+    reducing = {"reduce_scatter", "reduce"}
+    late = [e.op for e in in_step.events if e.kind in reducing]
+    late += [e.op for e in in_backward.events if e.kind in reducing and not e.in_backward]
+    assert not late, (f"{what}: gradient reductions {late} were issued after backward; issue them from "
+                      f"the gradient hooks (or the end-of-backward callback){report}")
+    reductions = [e for e in in_backward.events if e.kind in reducing]
+    if n > 1:
+        assert reductions, f"{what}: no reduce-scatter (or reduce) of the gradients during backward{report}"
+    limit = traffic_limit(phi, largest, n)
+    grad_sent = sum(e.wire_bytes for e in reductions)
+    param_sent = in_step.sent_bytes()
+    assert grad_sent <= limit and param_sent <= limit, (
+        f"{what}: sent {grad_sent:,.0f} bytes reducing gradients and {param_sent:,.0f} in step(); each "
+        f"should be at most {limit:,.0f} (Φ = {phi:,} bytes){report}")
+
+
+@task("zero.stage2", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_stage2(world_size):
+    run_graded("zero.stage2", stage2_on_rank, world_size)
