@@ -1,0 +1,499 @@
+"""Graded tests for chapter 01: data parallelism.
+
+Every training check runs STEPS optimizer steps and compares, after every step, each
+parameter (and gradient) with a single process trained on the global batch: on every rank,
+at world sizes 1-4 (3 ranks give unequal shards), with models that have a tied, a frozen and
+an unused parameter (ToyModel) and a small GPT with tied embeddings and a frozen position
+embedding. Where PyTorch ships the technique it is compared too (DistributedSampler, DDP).
+
+* dp.sampler: index by index against DistributedSampler over lengths that divide and do
+  not, drop_last both ways, shuffled or not, several seeds and epochs.
+* dp.grad_average: equal shards (plain mean, also against DDP), unequal shards (weighted by
+  samples), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some");
+  the tracer checks that only all-reduces of about the gradients' size are issued, after
+  backward.
+* dp.data_parallel: one process, K = 1-4 replicas on threads; outputs, gradients and
+  parameters match the plain module; replicas are connected copies, run concurrently,
+  keep grad mode and re-raise errors.
+* dp.parameter_server: at world sizes 2-4 (rank 0 serves, so a single rank cannot run
+  one): staleness 0 equals synchronous SGD step by step; with a bound s > 0 and a slow
+  worker, no applied gradient is more than s versions old, some are, and training converges.
+"""
+
+import contextlib
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, DistributedSampler
+
+from labkit.check import assert_close
+from labkit.comm import CommTracer
+from labkit.data import markov_tokens, regression
+from labkit.grading import run_graded, task
+from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
+
+WORLD_SIZES = [1, 2, 3, 4]
+STEPS = 5
+GPT_CONFIG = GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=16)
+
+
+# ----------------------------------------------------------------------------- models and data
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny models: a second intra-op thread per process only fights the other processes
+    for the cores (on a busy 2-core machine it makes these tests several times slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def make_toy():
+    return ToyModel(seed=0).double()  # float64: the comparisons stay tight over many steps
+
+
+def make_gpt():
+    model = GPT(GPT_CONFIG, seed=0)  # lm_head.weight is wte.weight (tied)
+    model.wpe.requires_grad_(False)  # and one frozen parameter
+    return model
+
+
+def gpt_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def toy_batches(batch, steps=STEPS, seed=1):
+    x, y = regression(batch * steps, 8, 8, seed=seed)
+    return list(zip(x.double().split(batch), y.double().split(batch)))
+
+
+def gpt_batches(batch, steps=STEPS, seed=2):
+    x, y = markov_tokens(batch * steps, GPT_CONFIG.block_size, GPT_CONFIG.vocab_size, seed=seed)
+    return list(zip(x.split(batch), y.split(batch)))
+
+
+# (name, model factory, loss, global batches, learning rate)
+def cases(batch):
+    return [("ToyModel float64", make_toy, toy_loss, toy_batches(batch), 0.1),
+            ("GPT float32", make_gpt, gpt_loss, gpt_batches(batch), 0.1)]
+
+
+def sgd(model, lr):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def compare_grads(model, ref, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None or p.grad is None:
+            assert p.grad is None and q.grad is None, (
+                f"{what}, {name}.grad: {'None' if p.grad is None else 'a tensor'}, expected "
+                f"{'None' if q.grad is None else 'a tensor'}")
+            continue
+        assert_close(p.grad, q.grad, f"{what}, {name}.grad")
+
+
+def compare_params(model, ref, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.detach(), q.detach(), f"{what}, {name}")
+
+
+# ----------------------------------------------------------------------------- dp.sampler
+
+LENGTHS = [0, 1, 2, 3, 5, 8, 12, 13, 17, 100]
+
+
+def sampler_on_rank() -> None:
+    from labkit.dp import ShardSampler, shard_indices, shard_size
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for length in LENGTHS:
+        for shuffle in (True, False):
+            for drop_last in (False, True):
+                for seed in (0, 7):
+                    # num_replicas and rank come from the process group on both sides.
+                    builtin = DistributedSampler(range(length), shuffle=shuffle, seed=seed, drop_last=drop_last)
+                    ours = ShardSampler(range(length), shuffle=shuffle, seed=seed, drop_last=drop_last)
+                    what = (f"dp.sampler: rank {rank} of {n}, dataset of {length}, shuffle={shuffle}, "
+                            f"seed {seed}, drop_last={drop_last}")
+                    got = shard_size(length, n, drop_last)
+                    assert got == len(builtin), f"{what}: shard_size {got}, DistributedSampler has {len(builtin)}"
+                    for epoch in (0, 1, 2):
+                        builtin.set_epoch(epoch)
+                        ours.set_epoch(epoch)
+                        expected = list(builtin)
+                        got = shard_indices(length, n, rank, shuffle, seed, epoch, drop_last)
+                        assert got == expected, f"{what}, epoch {epoch}: {_first_difference(got, expected)}"
+                        assert list(ours) == expected and len(ours) == len(builtin), (
+                            f"{what}, epoch {epoch}: ShardSampler yields {list(ours)}, expected {expected}")
+    # More replicas than this group has, with explicit ranks: every rank checks them all.
+    for replicas in (5, 7):
+        for r in range(replicas):
+            for length in (3, 11, 20):
+                for drop_last in (False, True):
+                    builtin = DistributedSampler(range(length), replicas, r, True, 3, drop_last)
+                    builtin.set_epoch(4)
+                    got = shard_indices(length, replicas, r, True, 3, 4, drop_last)
+                    assert got == list(builtin), (
+                        f"dp.sampler: rank {r} of {replicas} (explicit), dataset of {length}, seed 3, epoch 4, "
+                        f"drop_last={drop_last}: {_first_difference(got, list(builtin))}")
+    # In a DataLoader: the same batches as with DistributedSampler.
+    data = torch.arange(23)
+    ours = [b.tolist() for b in DataLoader(data, batch_size=2, sampler=_set(ShardSampler(data, seed=5)))]
+    theirs = [b.tolist() for b in DataLoader(data, batch_size=2, sampler=_set(DistributedSampler(data, seed=5)))]
+    assert ours == theirs, f"dp.sampler: rank {rank} of {n}, DataLoader batches {ours}, expected {theirs}"
+
+
+def _set(sampler, epoch=1):
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def _first_difference(got, expected) -> str:
+    if len(got) != len(expected):
+        return f"{len(got)} indices, expected {len(expected)} (got {got[:12]}, expected {expected[:12]})"
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    return f"position {i}: index {got[i]}, DistributedSampler gives {expected[i]} (got {got[:12]}, expected {expected[:12]})"
+
+
+@task("dp.sampler", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_sampler_matches_distributed_sampler(world_size):
+    run_graded("dp.sampler", sampler_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- dp.grad_average
+
+
+def check_traffic(tracer, model, what) -> None:
+    kinds = tracer.kinds()
+    assert kinds <= {"all_reduce"}, f"{what}: issued {sorted(kinds)}; averaging gradients needs only all-reduce"
+    assert not any(e.in_backward for e in tracer.events), f"{what}: communicated inside backward"
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in params)
+    with_grad = sum(p.numel() * p.element_size() for p in params if p.grad is not None)
+    reduced = sum(e.bytes for e in tracer.events)
+    # Room for one small agreement message: a flag per parameter plus a count.
+    limit = grad_bytes + 8 * (len(params) + 1) + 64
+    assert reduced <= limit, f"{what}: all-reduced {reduced} bytes; the gradients are {grad_bytes}"
+    if dist.get_world_size() > 1:
+        assert reduced >= with_grad, f"{what}: all-reduced {reduced} bytes, fewer than the {with_grad} of gradients"
+
+
+def grad_average_on_rank(batch: int, weighted: bool) -> None:
+    """Train with average_gradients on each rank's shard; compare with the global batch."""
+    torch.set_num_threads(1)  # see one_thread()
+    from labkit.dp import average_gradients
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # Unequal shards test the weighting; the ToyModel alone is enough for that.
+    for name, make_model, loss_fn, batches, lr in cases(batch)[:1 if weighted else 2]:
+        model, ref = make_model(), make_model()
+        opt, ref_opt = sgd(model, lr), sgd(ref, lr)
+        # DDP is the built-in for the plain mean (equal shards).
+        ddp = None
+        if not weighted:
+            ddp_model = make_model()
+            ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
+            ddp_opt = sgd(ddp_model, lr)
+        frozen = {k: p.detach().clone() for k, p in model.named_parameters() if not p.requires_grad}
+        for step, (x, y) in enumerate(batches):
+            what = f"dp.grad_average: rank {rank} of {n}, {name}, global batch {batch}, step {step}"
+            xs, ys = x.tensor_split(n)[rank], y.tensor_split(n)[rank]
+            ref_opt.zero_grad(set_to_none=True)
+            loss_fn(ref, x, y).backward()  # the single process on the global batch
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, xs, ys).backward()
+            with CommTracer() as tracer:
+                average_gradients(model, num_samples=len(xs) if weighted else None)
+            if step == 0:
+                check_traffic(tracer, model, what)
+            compare_grads(model, ref, what)
+            opt.step()
+            ref_opt.step()
+            compare_params(model, ref, what + " (after the step)")
+            if ddp is not None:
+                ddp_opt.zero_grad(set_to_none=True)
+                loss_fn(ddp, xs, ys).backward()
+                ddp_opt.step()
+                for (k, p), q in zip(model.named_parameters(), ddp_model.parameters()):
+                    assert_close(p.detach(), q.detach(), f"{what}, {k} vs DistributedDataParallel")
+        for k, p in model.named_parameters():
+            if k in frozen:
+                assert torch.equal(p.detach(), frozen[k]), f"dp.grad_average: rank {rank}, {name}: frozen {k} changed"
+
+
+@task("dp.grad_average", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_grad_average_equal_shards(world_size):
+    # 12 splits evenly over 1-4 ranks: the mean of the ranks' gradients is the global one.
+    run_graded("dp.grad_average", grad_average_on_rank, world_size, 12, False)
+
+
+@task("dp.grad_average", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_grad_average_unequal_shards_weighted(world_size):
+    # 10 samples: 5+5, 4+3+3, 3+3+2+2. Only weighting by samples recovers the global mean.
+    run_graded("dp.grad_average", grad_average_on_rank, world_size, 10, True)
+
+
+def partially_unused_on_rank() -> None:
+    """``unused`` gets a gradient on even ranks only (a penalty term there)."""
+    torch.set_num_threads(1)  # see one_thread()
+    from labkit.dp import average_gradients
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def local_loss(model, x, y, r):
+        loss = toy_loss(model, x, y)
+        return loss + 0.1 * model.unused.square().sum() if r % 2 == 0 else loss
+
+    model, ref = make_toy(), make_toy()
+    opt, ref_opt = sgd(model, 0.1), sgd(ref, 0.1)
+    for step, (x, y) in enumerate(toy_batches(12)):
+        what = f"dp.grad_average: rank {rank} of {n}, `unused` used on even ranks only, step {step}"
+        ref_opt.zero_grad(set_to_none=True)
+        # The objective is the mean of the ranks' losses; one process computes all of them.
+        ref_loss = sum(local_loss(ref, xs, ys, r) for r, (xs, ys) in enumerate(zip(x.tensor_split(n), y.tensor_split(n))))
+        (ref_loss / n).backward()
+        opt.zero_grad(set_to_none=True)
+        local_loss(model, x.tensor_split(n)[rank], y.tensor_split(n)[rank], rank).backward()
+        average_gradients(model)
+        compare_grads(model, ref, what)
+        opt.step()
+        ref_opt.step()
+        compare_params(model, ref, what + " (after the step)")
+
+
+@task("dp.grad_average", points=1)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_grad_average_parameter_unused_on_some_ranks(world_size):
+    # Ranks that skip their own None gradients issue fewer all-reduces than the others:
+    # the collectives no longer line up, and the job fails or hangs. (One rank alone has
+    # no "other ranks": world size 1 is covered by the tests above.)
+    run_graded("dp.grad_average", partially_unused_on_rank, world_size, timeout=30)
+
+
+# ----------------------------------------------------------------------------- dp.data_parallel
+# One process, K replicas on threads: these run in the test process, no launch needed.
+
+CPU = torch.device("cpu")
+
+
+def dp_cases():
+    toy = ("ToyModel float64", make_toy, toy_batches(10),
+           lambda out, y: F.mse_loss(out, y), lambda out: out)
+    gpt = ("GPT float32", make_gpt, gpt_batches(10),
+           lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
+           lambda out: out[0])  # GPT returns (logits, None): gather keeps the tuple
+    return [toy, gpt]
+
+
+@task("dp.data_parallel", points=1)
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_data_parallel_trains_like_the_plain_module(replicas):
+    # Batch 10 on K replicas: torch.chunk sizes 10 / 5+5 / 4+4+2 / 3+3+3+1.
+    from labkit.dp import data_parallel
+    with one_thread():
+        check_data_parallel_training(data_parallel, replicas)
+
+
+def check_data_parallel_training(data_parallel, replicas):
+    for name, make_model, batches, criterion, logits in dp_cases():
+        model, ref = make_model(), make_model()
+        opt, ref_opt = sgd(model, 0.1), sgd(ref, 0.1)
+        for step, (x, y) in enumerate(batches):
+            what = f"dp.data_parallel: {replicas} replicas, {name}, step {step}"
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            out = data_parallel(model, (x,), replicas)
+            ref_out = logits(ref(x))
+            assert_close(logits(out), ref_out, what + ", gathered output")
+            criterion(logits(out), y).backward()
+            criterion(ref_out, y).backward()
+            compare_grads(model, ref, what)  # the replicas' gradients summed into the master's
+            opt.step()
+            ref_opt.step()
+            compare_params(model, ref, what + " (after the step)")
+
+
+@task("dp.data_parallel", points=1)
+def test_replicas_are_connected_copies():
+    from labkit.dp import replicate
+    what = "dp.data_parallel: replicate"
+    gpt = make_gpt()
+    replicas = replicate(gpt, [CPU] * 3)
+    assert len(replicas) == 3, f"{what}: {len(replicas)} replicas for 3 devices"
+    assert len({id(r) for r in replicas} | {id(gpt)}) == 4, f"{what}: replicas must be new module objects"
+    for i, r in enumerate(replicas):
+        assert r.lm_head.weight is r.wte.weight, f"{what}: replica {i} lost the tie lm_head.weight = wte.weight"
+        assert r.wte.weight is not gpt.wte.weight, f"{what}: replica {i} holds the master's Parameter itself, not a copy"
+        assert r.wte.weight.grad_fn is not None, (
+            f"{what}: replica {i}'s wte.weight has no autograd history: its gradient cannot reach the master")
+        assert not r.wpe.weight.requires_grad, f"{what}: replica {i}'s frozen wpe.weight requires grad"
+        assert torch.equal(r.wte.weight.detach(), gpt.wte.weight.detach()), f"{what}: replica {i}'s wte.weight differs"
+    toy = make_toy()
+    r = replicate(toy, [CPU])[0]
+    assert torch.equal(r.scale, toy.scale) and r.scale is not toy.scale, f"{what}: the buffer `scale` must be copied"
+    # A backward through one replica lands in the master's .grad, as on the master itself.
+    x, y = toy_batches(4)[0]
+    toy_loss(r, x, y).backward()
+    ref = make_toy()
+    toy_loss(ref, x, y).backward()
+    compare_grads(toy, ref, f"{what}: backward through a replica")
+
+
+@task("dp.data_parallel", points=1)
+def test_scatter_and_gather():
+    from labkit.dp import gather, scatter
+    what = "dp.data_parallel"
+    x = torch.arange(20.0).reshape(10, 2)
+    chunks = scatter((x, "tag", x + 1), [CPU] * 4)
+    assert [c[0].shape[0] for c in chunks] == [3, 3, 3, 1], (
+        f"{what}: scatter of a batch of 10 on 4 devices gave sizes {[c[0].shape[0] for c in chunks]}, "
+        "expected torch.chunk's [3, 3, 3, 1]")
+    assert all(c[1] == "tag" for c in chunks), f"{what}: scatter must pass non-tensor arguments to every replica"
+    assert torch.equal(torch.cat([c[2] for c in chunks]), x + 1), f"{what}: scatter split the second tensor wrongly"
+    assert len(scatter((x[:2],), [CPU] * 4)) == 2, f"{what}: a batch of 2 on 4 devices gives 2 chunks, not 4"
+    outs = [(c[0] * 2, c[0].sum(), None) for c in chunks]
+    merged = gather(outs, CPU)
+    assert isinstance(merged, tuple) and merged[2] is None, f"{what}: gather must keep tuples and Nones"
+    assert_close(merged[0], x * 2, f"{what}: gather of tensors")
+    assert_close(merged[1], torch.stack([c[0].sum() for c in chunks]), f"{what}: gather of 0-dim tensors (stacked)")
+
+
+class Rendezvous(torch.nn.Module):
+    """Every replica waits for all the others inside forward: succeeds only if they run at once."""
+
+    def __init__(self, parties):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def forward(self, x):
+        self.barrier.wait()
+        return x * self.weight
+
+
+class Exploding(torch.nn.Module):
+    def forward(self, x):
+        if x.min() >= 6:  # only the last chunk
+            raise ValueError("boom in a replica")
+        return x
+
+
+@task("dp.data_parallel", points=1)
+def test_parallel_apply_threads_grad_mode_errors():
+    from labkit.dp import parallel_apply
+    what = "dp.data_parallel: parallel_apply"
+    k = 4
+    probe = Rendezvous(k)
+    inputs = [(torch.full((2,), float(i)),) for i in range(k)]
+    try:
+        outs = parallel_apply([probe] * k, inputs)
+    except threading.BrokenBarrierError:
+        raise AssertionError(f"{what}: the {k} replicas did not run concurrently (one thread each)") from None
+    assert all(torch.equal(o.detach(), i[0]) for o, i in zip(outs, inputs)), f"{what}: outputs out of order"
+    assert all(o.requires_grad for o in outs), f"{what}: outputs lost their autograd graph"
+    probe.barrier.reset()
+    with torch.no_grad():
+        outs = parallel_apply([probe] * k, inputs)
+    assert not any(o.requires_grad for o in outs), (
+        f"{what}: under torch.no_grad() the replicas still recorded a graph: grad mode is per "
+        "thread, carry the caller's into each thread")
+    with pytest.raises(ValueError, match="boom in a replica"):
+        parallel_apply([Exploding()] * 4, [(torch.full((1,), 2.0 * i),) for i in range(4)])
+
+
+# ----------------------------------------------------------------------------- dp.parameter_server
+# World sizes 2-4 only: rank 0 is the server, so a parameter server needs at least one more
+# rank to do the work (run_parameter_server refuses a single rank; checked below).
+
+
+def ps_sync_on_rank() -> None:
+    """Staleness 0 must be synchronous SGD on the global batch, step for step."""
+    torch.set_num_threads(1)  # see one_thread()
+    from labkit.dp import run_parameter_server
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # Batch 10 splits unevenly over 3 workers (4+3+3): the server must weight by samples.
+    for name, make_model, loss_fn, batches, lr in cases(10):
+        what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness 0, {name}"
+        ref = make_model()
+        ref_opt = sgd(ref, lr)
+        ref_losses = []
+        for x, y in batches:
+            ref_opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ref, x, y)
+            loss.backward()
+            ref_opt.step()
+            ref_losses.append(loss.detach())
+        model = make_model()
+        log = run_parameter_server(model, sgd(model, lr), loss_fn, batches, staleness=0)
+        shared = [log]
+        dist.broadcast_object_list(shared, src=0)  # every rank checks the server's log, in the same order
+        log = shared[0]
+        assert log is not None, f"{what}: serve() returned None; it must return its ServerLog"
+        applied = sorted((w, i) for w, i, _ in log.applied)
+        expected = sorted((w, i) for w in range(1, n) for i in range(len(batches)))
+        assert applied == expected, f"{what}: the server applied (worker, iteration) {applied}, expected {expected}"
+        assert max(log.staleness) == 0 and min(log.staleness) == 0, (
+            f"{what}: staleness {log.staleness}; with bound 0 every gradient must be computed on the latest version")
+        assert len(log.losses) == len(batches), f"{what}: {len(log.losses)} losses logged for {len(batches)} updates"
+        for step, (got, want) in enumerate(zip(log.losses, ref_losses)):
+            assert_close(torch.tensor(got, dtype=want.dtype), want,
+                         f"{what}, step {step}: sample-weighted loss of the workers vs the global batch's")
+        compare_params(model, ref, what + f", parameters after {len(batches)} steps")
+
+
+@task("dp.parameter_server", points=1)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_parameter_server_synchronous(world_size):
+    if world_size == 2:  # one rank alone cannot be server and worker
+        with pytest.raises(AssertionError, match="at least 2 ranks"):
+            run_graded("dp.parameter_server", ps_sync_on_rank, 1, timeout=30)
+    run_graded("dp.parameter_server", ps_sync_on_rank, world_size, timeout=30)
+
+
+ASYNC_STEPS = 8
+SLOW = 0.03  # seconds worker 1 sleeps per iteration: the others get ahead of it
+
+
+def ps_async_on_rank(bounds) -> None:
+    torch.set_num_threads(1)  # see one_thread()
+    from labkit.dp import run_parameter_server
+    rank, n = dist.get_rank(), dist.get_world_size()
+    batches = toy_batches(12, steps=ASYNC_STEPS, seed=3)
+    x_all, y_all = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+    for bound in bounds:
+        what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness bound {bound}, worker 1 slow"
+        model = make_toy()
+        with torch.no_grad():
+            start = toy_loss(model, x_all, y_all).item()
+        log = run_parameter_server(model, sgd(model, 0.1), toy_loss, batches, staleness=bound, delays={1: SLOW})
+        with torch.no_grad():
+            end = toy_loss(model, x_all, y_all).item()
+        if rank != 0:
+            continue
+        applied = sorted((w, i) for w, i, _ in log.applied)
+        expected = sorted((w, i) for w in range(1, n) for i in range(ASYNC_STEPS))
+        assert applied == expected, f"{what}: the server applied (worker, iteration) {applied}, expected {expected}"
+        for (worker, iteration, version), stale in zip(log.applied, log.staleness):
+            assert 0 <= stale <= bound, (
+                f"{what}: worker {worker}'s gradient of iteration {iteration} was computed on version "
+                f"{version}, staleness {stale}, outside [0, {bound}]")
+        if n > 2:  # with two or more workers the fast ones must have run ahead of the slow one
+            assert max(log.staleness) > 0, (
+                f"{what}: every gradient had staleness 0: fast workers must not wait for the slow one "
+                "while their parameters are fewer than `bound` versions behind")
+        assert end < 0.7 * start, f"{what}: loss on all the data went from {start:.4f} to {end:.4f}, not below 70%"
+
+
+@task("dp.parameter_server", points=1)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_parameter_server_bounded_staleness(world_size):
+    # Bounds 1 and 3 in one job. With a single worker (world size 2) nobody can run ahead:
+    # staleness stays 0, which the bound allows.
+    run_graded("dp.parameter_server", ps_async_on_rank, world_size, [1, 3], timeout=30)
