@@ -56,9 +56,11 @@ def interleaved_medians(candidates: dict, make_input, repeats: int, warmup: int 
         order = names if i % 2 == 0 else names[::-1]  # so neither side always goes first
         for name in order:
             x = make_input()
+            _sync_device()
             dist.barrier()
             start = time.perf_counter()
             candidates[name](x)
+            _sync_device()  # CUDA work is asynchronous: time its completion, not its launch
             elapsed = time.perf_counter() - start
             if i >= warmup:
                 times[name].append(elapsed)
@@ -68,6 +70,11 @@ def interleaved_medians(candidates: dict, make_input, repeats: int, warmup: int 
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         medians[name] = statistics.median(slowest.tolist())
     return medians
+
+
+def _sync_device() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- rows
@@ -93,6 +100,228 @@ def ring_all_reduce_row(repeats: int = 15, world_size: int = 2, megabytes: float
     return BenchRow(f"ring all-reduce vs dist.all_reduce, {megabytes:g} MB fp32, gloo, {world_size} ranks",
                     result["ours"], result["builtin"], result["sent"],
                     2 * (world_size - 1) / world_size * size)
+
+
+# ----------------------------------------------------------------------------- dp (chapter 01)
+
+
+def _dp_step_vs_ddp(repeats: int) -> dict:
+    """One training step's forward + backward + gradient sync: average_gradients vs DDP."""
+    from labkit.comm import CommTracer
+    from labkit.data import markov_tokens
+    from labkit.dp import average_gradients
+    from labkit.models import GPT, GPTConfig
+    config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+    ours = GPT(config)
+    ddp = torch.nn.parallel.DistributedDataParallel(GPT(config))
+    batch = markov_tokens(8, config.block_size, config.vocab_size, seed=dist.get_rank())
+
+    def ours_step(b):
+        ours.zero_grad(set_to_none=True)
+        ours(*b)[1].backward()
+        average_gradients(ours)  # after backward: nothing overlaps
+
+    def ddp_step(b):
+        ddp.zero_grad(set_to_none=True)
+        ddp(*b)[1].backward()  # DDP all-reduces buckets while backward still runs
+
+    medians = interleaved_medians({"ours": ours_step, "builtin": ddp_step}, lambda: batch, repeats)
+    with CommTracer() as tracer:
+        ours_step(batch)
+    grad_bytes = sum(p.numel() * p.element_size() for p in ours.parameters() if p.requires_grad)
+    return dict(medians, sent=tracer.sent_bytes(), grad_bytes=grad_bytes,
+                all_reduces=tracer.count("all_reduce"))
+
+
+@row("dp_average_gradients")
+def dp_average_gradients_row(repeats: int = 15, world_size: int = 2) -> BenchRow:
+    r = launch(_dp_step_vs_ddp, world_size, repeats)[0]
+    formula = 2 * (world_size - 1) / world_size * r["grad_bytes"]
+    return BenchRow(f"GPT step, average_gradients vs DDP, {r['grad_bytes'] / 2**20:.2f} MB grads, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"], formula, extra=dict(all_reduces=r["all_reduces"]))
+
+
+# ----------------------------------------------------------------------------- ddp (chapter 02)
+
+# A GPT with 0.83 M parameters (3.3 MB of fp32 gradients): big enough that a step is tens of
+# milliseconds of compute and a few MB of all-reduce, small enough for a laptop.
+DDP_BENCH_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
+
+
+def _ddp_vs_builtin(repeats: int, batch: int) -> dict:
+    """A full training step (forward, backward, AdamW step) with labkit.ddp.DDP and with
+    DistributedDataParallel, both at their default bucket sizes, interleaved."""
+    from labkit.comm import CommTracer
+    from labkit.data import markov_tokens
+    from labkit.ddp import DDP
+    from labkit.models import GPT, GPTConfig
+    config = GPTConfig(**DDP_BENCH_GPT)
+    models = {"ours": DDP(GPT(config)), "builtin": torch.nn.parallel.DistributedDataParallel(GPT(config))}
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
+    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
+
+    def stepper(name):
+        def step(b):
+            models[name](*b)[1].backward()
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+        return step
+
+    steps = {name: stepper(name) for name in models}
+    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
+    calls, sent = {}, 0.0
+    for name, step in steps.items():
+        with CommTracer() as tracer:  # after the timing: never time under the tracer
+            step(local)
+        calls[name] = tracer.count("all_reduce")
+        sent = tracer.sent_bytes() if name == "ours" else sent
+    grad_bytes = sum(p.numel() * p.element_size() for p in models["ours"].parameters() if p.requires_grad)
+    return dict(medians, calls=calls, sent=sent, grad_bytes=grad_bytes)
+
+
+@row("ddp")
+def ddp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    r = launch(_ddp_vs_builtin, world_size, repeats, batch, timeout=600)[0]
+    return BenchRow(f"GPT step, labkit DDP vs DistributedDataParallel, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"], 2 * (world_size - 1) / world_size * r["grad_bytes"],
+                    extra={"all_reduces_per_step": {"ours": r["calls"]["ours"], "torch": r["calls"]["builtin"]},
+                           "grad_mb": r["grad_bytes"] / 2 ** 20})
+
+
+# ----------------------------------------------------------------------------- zero (chapter 03)
+
+# A small GPT (~0.1 M parameters, 0.42 MB fp32): its AdamW state is twice that.
+ZERO_BENCH_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+
+
+def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
+    """A full training step (forward, backward, gradient sync, AdamW step) with
+    labkit.zero.ShardedOptimizer and with DDP + ZeroRedundancyOptimizer, interleaved.
+
+    Stage 1 (``shard_gradients=False``) runs under DDP too, as ZeroRedundancyOptimizer does;
+    stage 2 averages the gradients itself (reduce-scatter), so its model is not wrapped."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    from labkit.comm import CommTracer
+    from labkit.data import markov_tokens
+    from labkit.models import GPT, GPTConfig
+    from labkit.zero import ShardedOptimizer
+    config = GPTConfig(**ZERO_BENCH_GPT)
+    ours_model = GPT(config) if shard_gradients else DistributedDataParallel(GPT(config))
+    models = {"ours": ours_model, "builtin": DistributedDataParallel(GPT(config))}
+    optims = {"ours": ShardedOptimizer(models["ours"].parameters(), torch.optim.AdamW,
+                                       shard_gradients=shard_gradients, lr=1e-3),
+              "builtin": ZeroRedundancyOptimizer(models["builtin"].parameters(), torch.optim.AdamW, lr=1e-3)}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
+    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
+
+    def stepper(name):
+        def step(b):
+            models[name](*b)[1].backward()
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+        return step
+
+    steps = {name: stepper(name) for name in models}
+    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
+    sent, kinds = {}, {}
+    for name, step in steps.items():
+        with CommTracer() as tracer:  # after the timing: never time under the tracer
+            step(local)
+        sent[name], kinds[name] = tracer.sent_bytes(), sorted(tracer.kinds())
+    phi = sum(p.numel() * p.element_size() for p in models["builtin"].parameters() if p.requires_grad)
+    return dict(medians, sent=sent, kinds=kinds, phi=phi,
+                state_bytes=sum(t.numel() * t.element_size() for s in optims["ours"].state.values()
+                                for t in s.values() if isinstance(t, torch.Tensor)))
+
+
+def _zero_row(stage: int, repeats: int, world_size: int, batch: int) -> BenchRow:
+    r = launch(_zero_vs_builtin, world_size, repeats, batch, stage == 2, timeout=600)[0]
+    share = (world_size - 1) / world_size * r["phi"]
+    # Stage 1 under DDP: all-reduce the gradients (2 shares), all-gather the parameters (1).
+    # Stage 2: reduce-scatter the gradients (1 share), all-gather the parameters (1).
+    formula = (3 if stage == 1 else 2) * share
+    torch_side = "ZeroRedundancyOptimizer" if stage == 1 else "DDP+ZeroRedundancyOptimizer"
+    return BenchRow(f"GPT step, ZeRO-{stage} ours vs {torch_side}, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"]["ours"], formula,
+                    extra={"phi_bytes": r["phi"], "torch_sent": r["sent"]["builtin"], "ops": r["kinds"],
+                           "optimizer_state_bytes_rank0": r["state_bytes"]})
+
+
+@row("zero1")
+def zero1_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    return _zero_row(1, repeats, world_size, batch)
+
+
+@row("zero2")
+def zero2_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    return _zero_row(2, repeats, world_size, batch)
+
+
+# ----------------------------------------------------------------------------- fsdp (chapter 04)
+
+# The GPT of the FSDP lab: 4 blocks, 0.2 M parameters (0.8 MB fp32), short sequences, so
+# that parameters, gradients and AdamW state, not activations, dominate a rank's memory.
+FSDP_BENCH_GPT = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=64)
+
+
+def _fsdp_vs_fully_shard(repeats: int, batch: int) -> dict:
+    """A full training step (forward, backward, AdamW step) of the GPT sharded per block
+    and at the root, with labkit.fsdp.fully_shard and with torch's fully_shard, interleaved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from labkit import fsdp
+    from labkit.comm import CommTracer
+    from labkit.data import markov_tokens
+    from labkit.memory import param_bytes
+    from labkit.models import GPT, GPTConfig
+    config = GPTConfig(**FSDP_BENCH_GPT)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = {"ours": GPT(config), "builtin": GPT(config)}
+    full_bytes = param_bytes(models["ours"])
+    for shard, model in ((fsdp.fully_shard, models["ours"]),
+                         (lambda m: torch_fully_shard(m, mesh=mesh), models["builtin"])):
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
+    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
+
+    def stepper(name):
+        def step(b):
+            models[name](*b)[1].backward()
+            optims[name].step()
+            optims[name].zero_grad(set_to_none=True)
+        return step
+
+    steps = {name: stepper(name) for name in models}
+    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
+    sent = {}
+    for name, step in steps.items():
+        with CommTracer() as tracer:  # after the timing: never time under the tracer
+            step(local)
+        sent[name] = tracer.sent_bytes()
+    return dict(medians, sent=sent, formula=fsdp.step_bytes(models["ours"])["total"],
+                full_bytes=full_bytes, shard_bytes=param_bytes(models["ours"]),
+                torch_shard_bytes=param_bytes(models["builtin"]))
+
+
+@row("fsdp")
+def fsdp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    r = launch(_fsdp_vs_fully_shard, world_size, repeats, batch, timeout=600)[0]
+    # formula: 3 x (N-1)/N x Phi (two all-gathers, one reduce-scatter; Phi padded). torch's
+    # fully_shard keeps the root unit gathered from forward to backward: it sends a little less.
+    return BenchRow(f"GPT step, labkit fully_shard vs torch fully_shard, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"]["ours"], r["formula"],
+                    extra={"torch_sent": r["sent"]["builtin"], "param_bytes_full": r["full_bytes"],
+                           "param_bytes_rank0": r["shard_bytes"], "torch_param_bytes_rank0": r["torch_shard_bytes"]})
 
 
 # ----------------------------------------------------------------------------- table
@@ -124,6 +353,16 @@ def format_table(results: list[BenchRow | str]) -> str:
         formula = f"{r.formula_bytes:,.0f}" if r.formula_bytes is not None else "-"
         lines.append(f"{r.name:<62}{r.ours_s * 1e3:>10.2f}{r.builtin_s * 1e3:>10.2f}"
                      f"{r.ratio:>8.2f}{sent:>14}{formula:>14}")
+        if r.extra:  # row-specific figures, e.g. all-reduce calls per step for both sides
+            lines.append("    " + ", ".join(f"{k}={_show(v)}" for k, v in r.extra.items()))
     lines.append("ratio = ours / torch (median of interleaved repetitions; < 1 is faster); "
                  "sent/rank = bytes one rank sent, traced")
     return "\n".join(lines)
+
+
+def _show(value) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)

@@ -1,0 +1,403 @@
+"""Graded tests for chapter 04: fully_shard from scratch (labkit/fsdp.py).
+
+Every check runs on every rank at world sizes 1-4 (3 leaves uneven shards, so padding) on
+the ToyModel (a tied weight used twice, a frozen layer, an unused parameter, a buffer),
+sharded two ways (the frozen layer as a unit of its own, or everything in one unit), and
+on the small GPT (tied wte/lm_head in the root unit, one unit per block). The
+single-process reference trains the same model on the global batch; each rank trains on
+its 1/N of it. Models run in float64, so the comparison after 5 AdamW steps holds to the
+float64 tolerance of labkit.check (in float32, Adam turns last-bit differences of
+near-zero gradients into visible steps). The GPT's losses are also compared with torch's
+fully_shard. The tracer checks the behaviour: only all-gathers and reduce-scatters, how
+many, how many bytes, and when they are issued.
+"""
+
+import functools
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from labkit.check import assert_close
+from labkit.comm import CommTracer
+from labkit.grading import run_graded, task
+
+WORLD_SIZES = [1, 2, 3, 4]
+BATCH = 12      # global batch: divides by 1, 2, 3 and 4, so every rank gets an equal share
+STEPS = 5
+LR = 1e-2       # AdamW with its default weight decay 0.01: a frozen or unused parameter
+                # that wrongly got a (zero) gradient would still move
+
+
+# ----------------------------------------------------------------------------- on every rank
+
+
+def one_thread() -> None:
+    # These models are tiny: one thread per rank is the fastest, and with other programs
+    # on the machine a second OpenMP thread mostly spins (world size 1 gets two by default).
+    torch.set_num_threads(1)
+
+
+def build(kind: str, **options):
+    """(reference model, model sharded with the learner's fully_shard, names of the units).
+
+    "toy": the ToyModel's frozen layer is a unit of its own (no gradient to reduce), the
+    root unit holds the rest; "toy1": one unit holds everything, frozen and trainable
+    parameters side by side; "gpt": one unit per block, the root holds wte/lm_head (tied),
+    wpe and ln_f.
+    """
+    from labkit.fsdp import fully_shard
+    from labkit.models import GPT, GPTConfig, ToyModel
+    if kind == "gpt":
+        ref, model = GPT(GPTConfig()).double(), GPT(GPTConfig()).double()
+        units = [f"blocks.{i}" for i in range(len(model.blocks))]
+    else:
+        ref, model = ToyModel().double(), ToyModel().double()
+        units = ["frozen"] if kind == "toy" else []
+    for unit in units:
+        fully_shard(model.get_submodule(unit), **options)
+    fully_shard(model, **options)
+    return ref, model, [""] + units  # "" is the root
+
+
+@functools.cache
+def dataset(kind: str):
+    from labkit.data import markov_tokens, regression
+    from labkit.models import GPTConfig
+    if kind == "gpt":
+        cfg = GPTConfig()
+        return markov_tokens(BATCH * STEPS, cfg.block_size, cfg.vocab_size, seed=4)
+    x, y = regression(BATCH * STEPS, 8, 8, seed=4)
+    return x.double(), y.double()
+
+
+def batch(kind: str, step: int):
+    """The global batch of ``step`` (the same on every rank)."""
+    x, y = dataset("gpt" if kind == "gpt" else "toy")
+    return x[step * BATCH:(step + 1) * BATCH], y[step * BATCH:(step + 1) * BATCH]
+
+
+def loss_of(kind: str, model, x, y):
+    from labkit.models import toy_loss
+    return model(x, y)[1] if kind == "gpt" else toy_loss(model, x, y)
+
+
+def my_part(x):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    share = len(x) // n
+    return x[rank * share:(rank + 1) * share]
+
+
+def expected_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    rows = -(-full.shape[0] // world)
+    shard = torch.zeros((rows, *full.shape[1:]), dtype=full.dtype)
+    mine = full[rank * rows:(rank + 1) * rows]
+    shard[:len(mine)] = mine
+    return shard
+
+
+def shard_bytes(ref, world: int) -> int:
+    """Bytes of this rank's padded shards: what param_bytes of the sharded model must be."""
+    return sum(expected_shard(p.detach(), 0, world).nbytes for p in ref.parameters())
+
+
+def comm_formula(ref, world: int, with_grad: set) -> dict:
+    """Bytes per rank per step: every parameter all-gathered twice, the ones with a
+    gradient reduce-scattered once, x (N-1)/N (padded sizes, a tied weight counted once)."""
+    share = (world - 1) / world
+    full = {name: world * expected_shard(p.detach(), 0, world).nbytes for name, p in ref.named_parameters()}
+    return dict(all_gather=2 * share * sum(full.values()),
+                reduce_scatter=share * sum(b for name, b in full.items() if name in with_grad))
+
+
+def capture_gathered(model, seen: list):
+    """Forward pre-hooks, added after the learner's: record what each module's parameters
+    are while it runs (they must be the full tensors)."""
+    names = {m: name for name, m in model.named_modules()}
+    handles = []
+    for module in model.modules():
+        if module._parameters:
+            def hook(m, args):
+                for pname, t in m._parameters.items():
+                    if t is not None:
+                        seen.append((f"{names[m]}.{pname}".lstrip("."), t))
+            handles.append(module.register_forward_pre_hook(hook))
+    return handles
+
+
+def check_shards(task_id: str, kind: str, ref, model, where: str) -> None:
+    import torch.nn as nn
+    from labkit.memory import param_bytes
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = dict(model.named_parameters())
+    theirs = dict(ref.named_parameters())
+    assert list(mine) == list(theirs), (f"{task_id}: rank {rank}, {where}: model.parameters() are "
+                                       f"{list(mine)}, expected one shard per parameter: {list(theirs)}")
+    for name, p in mine.items():
+        what = f"{task_id}: rank {rank} of {n}, {kind}, {where}, shard of {name}"
+        assert isinstance(p, nn.Parameter), f"{what}: a {type(p).__name__}, expected an nn.Parameter"
+        assert p.requires_grad == theirs[name].requires_grad, f"{what}: requires_grad is {p.requires_grad}"
+        assert_close(p.detach(), expected_shard(theirs[name].detach(), rank, n), what)
+    if kind == "gpt":
+        assert model.lm_head.weight is model.wte.weight, (
+            f"{task_id}: rank {rank}, {where}: lm_head.weight and wte.weight are no longer one Parameter")
+    got, want = param_bytes(model), shard_bytes(ref, n)
+    assert got == want, (f"{task_id}: rank {rank} of {n}, {kind}, {where}: the model holds {got} bytes "
+                         f"of parameters; its padded shards are {want} (full model: {param_bytes(ref)})")
+
+
+def check_state(task_id: str, kind: str, ref, model, step: int) -> None:
+    from labkit.fsdp import full_state_dict
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full = full_state_dict(model)
+    for name, value in ref.state_dict().items():
+        assert name in full, f"{task_id}: rank {rank}: full_state_dict has no {name}"
+        assert_close(full[name], value, f"{task_id}: rank {rank} of {n}, {kind}, after step {step}, "
+                                        f"{name} vs the single-process reference")
+
+
+def shard_on_rank() -> None:
+    one_thread()
+    from labkit.fsdp import fully_shard, shard_param
+    from labkit.models import GPT, GPTConfig, ToyModel
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for shape in [(7, 3), (1,), (5,), (8, 2, 2)]:  # rows below, at and above N; 3-D
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 1
+        shard = shard_param(full, rank, n)
+        assert_close(shard, expected_shard(full, rank, n),
+                     f"fsdp.shard: shard_param of a {shape} tensor, rank {rank} of {n}")
+        assert shard.untyped_storage().data_ptr() != full.untyped_storage().data_ptr(), (
+            "fsdp.shard: shard_param returned a view of the full tensor; copy, so the full one can be freed")
+    for kind in ["toy", "toy1", "gpt"]:
+        ref = GPT(GPTConfig()).double() if kind == "gpt" else ToyModel().double()
+        model = GPT(GPTConfig()).double() if kind == "gpt" else ToyModel().double()
+        originals = {name: weakref.ref(p) for name, p in model.named_parameters()}
+        for sub in (model.blocks if kind == "gpt" else [model.frozen] if kind == "toy" else []):
+            fully_shard(sub)
+        fully_shard(model)
+        check_shards("fsdp.shard", kind, ref, model, "after fully_shard")
+        # No gc.collect(): what is freed must go at once, by reference count (and collect() costs ~0.5 s)
+        alive = [name for name, r in originals.items() if r() is not None]
+        assert not alive, (f"fsdp.shard: rank {rank}: after fully_shard the original full parameters "
+                           f"{alive} are still alive; keep only the shards")
+        if kind != "gpt":
+            assert_close(model.scale, ref.scale, "fsdp.shard: the buffer scale must stay as it was")
+
+
+def forward_on_rank() -> None:
+    one_thread()
+    from labkit.fsdp import full_state_dict
+    from labkit.memory import param_bytes
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for kind in ["toy", "toy1", "gpt"]:
+        ref, model, units = build(kind, prefetch=False)
+        check_state("fsdp.forward", kind, ref, model, 0)  # full_state_dict gathers
+        shards = list(model.parameters())
+        full_ref = dict(ref.named_parameters(remove_duplicate=False))
+        x, y = batch(kind, 0)
+        x, y = my_part(x), my_part(y)
+        seen = []
+        handles = capture_gathered(model, seen)
+        with CommTracer() as tracer:
+            loss = loss_of(kind, model, x, y)
+        for h in handles:
+            h.remove()
+        what = f"fsdp.forward: rank {rank} of {n}, {kind}"
+        assert_close(loss.detach(), loss_of(kind, ref, x, y).detach(), f"{what}: loss vs the single-process model")
+        assert seen, f"{what}: no module ran"
+        for name, t in seen:
+            assert_close(t.detach(), full_ref[name].detach(), f"{what}: {name} while its module runs forward")
+        kinds = tracer.kinds()
+        assert kinds <= {"all_gather"}, f"{what}: forward issued {sorted(kinds)}; only all-gathers belong there"
+        assert tracer.count("all_gather") == len(units), (
+            f"{what}: {tracer.count('all_gather')} all-gathers in forward; expected one per unit ({len(units)})")
+        gathered = sum(e.bytes for e in tracer.events)
+        want = sum(n * expected_shard(p.detach(), 0, n).nbytes for p in ref.parameters())
+        assert gathered == want, f"{what}: all-gathered {gathered} bytes in forward; the padded model is {want}"
+        # Freed: with the graph still alive (loss not backpropagated), no full parameter may be.
+        storages = {name: StorageWeakRef(t.untyped_storage()) for name, t in seen}
+        del seen, t
+        # No gc.collect(): what is freed must go at once, by reference count (and collect() costs ~0.5 s)
+        alive = sorted({name for name, ref_ in storages.items() if not ref_.expired()})
+        assert not alive, (f"{what}: after forward the full {alive} are still alive; free them after the unit's "
+                           "forward, and save notes instead of them for backward (saved-tensor hooks)")
+        now = list(model.parameters())
+        assert len(now) == len(shards) and all(a is b for a, b in zip(now, shards)), (
+            f"{what}: after forward the modules must point at their shards again")
+        assert param_bytes(model) == shard_bytes(ref, n), (
+            f"{what}: after forward the modules must point at their shards again")
+        with torch.no_grad():
+            assert_close(loss_of(kind, model, x, y), loss_of(kind, ref, x, y),
+                         f"{what}: loss under torch.no_grad()")
+        assert param_bytes(model) == shard_bytes(ref, n), f"{what}: under no_grad, forward must free too"
+        del loss
+
+
+def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None) -> list[float]:
+    """5 AdamW steps of the sharded model next to the reference; checks after every step."""
+    from labkit.memory import grad_bytes, param_bytes
+    from labkit.fsdp import units_of
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ref, model, units = build(kind, prefetch=prefetch)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(kind, step)
+        xs, ys = my_part(x), my_part(y)
+        what = f"{task_id}: rank {rank} of {n}, {kind}, step {step}"
+        tracer = CommTracer() if inspect and step == 1 else None
+        if tracer:
+            started = {}  # when each unit's forward body began (these hooks run after the learner's)
+            handles = [model.get_submodule(u).register_forward_pre_hook(
+                lambda m, a, u=u: started.setdefault(u, time.perf_counter()) and None) for u in units]
+            with tracer:
+                loss = loss_of(kind, model, xs, ys)
+                loss.backward()
+            for h in handles:
+                h.remove()
+        else:
+            loss = loss_of(kind, model, xs, ys)
+            loss.backward()
+        ref_loss = loss_of(kind, ref, x, y)
+        ref_loss.backward()
+        with torch.no_grad():
+            assert_close(loss.detach(), loss_of(kind, ref, xs, ys), f"{what}: loss on this rank's batch")
+        losses.append(loss.item())
+        for name, p in model.named_parameters():
+            expected = ref.get_parameter(name).grad
+            if expected is None:
+                assert p.grad is None, f"{what}: {name} has a gradient; the reference has none (frozen or unused)"
+            else:
+                assert p.grad is not None, f"{what}: {name} has no gradient after backward"
+                assert_close(p.grad, expected_shard(expected, rank, n),
+                             f"{what}: gradient of {name}'s shard (averaged over ranks)")
+        assert all(u.full is None and u.pending is None for u in units_of(model)), (
+            f"{what}: after backward, every unit must be resharded (no full parameters kept)")
+        with_grad = {name for name, p in ref.named_parameters() if p.grad is not None}
+        if tracer:
+            inspect(tracer, started, what, kind, ref, units, with_grad)
+        opt.step()
+        ref_opt.step()
+        wanted = sum(expected_shard(p.grad, 0, n).nbytes for p in ref.parameters() if p.grad is not None)
+        assert param_bytes(model) == shard_bytes(ref, n) and grad_bytes(model) == wanted, (
+            f"{what}: per-rank parameter/gradient bytes {param_bytes(model)}/{grad_bytes(model)}; "
+            f"the shards are {shard_bytes(ref, n)}/{wanted}")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        check_state(task_id, kind, ref, model, step)
+    return losses
+
+
+def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad) -> None:
+    n = dist.get_world_size()
+    kinds = tracer.kinds()
+    assert kinds <= {"all_gather", "reduce_scatter"}, (
+        f"{what}: a step issued {sorted(kinds)}; FSDP needs only all-gathers and reduce-scatters")
+    gathers = [e for e in tracer.events if e.kind == "all_gather"]
+    scatters = [e for e in tracer.events if e.kind == "reduce_scatter"]
+    in_backward = sum(e.in_backward for e in gathers)
+    assert len(gathers) == 2 * len(units) and in_backward == len(units), (
+        f"{what}: {len(gathers) - in_backward} all-gathers in forward and {in_backward} in backward; "
+        f"expected one per unit ({len(units)}) in each: re-gather before each unit's backward")
+    trained_units = len(units) - (kind == "toy")  # the ToyModel's frozen unit has nothing to reduce
+    assert len(scatters) == trained_units and all(e.in_backward for e in scatters), (
+        f"{what}: {len(scatters)} reduce-scatters ({sum(e.in_backward for e in scatters)} in backward); "
+        f"expected one per unit with trainable parameters ({trained_units}), in backward")
+    formula = comm_formula(ref, n, with_grad)
+    for kind, events in (("all_gather", gathers), ("reduce_scatter", scatters)):
+        sent = sum(e.wire_bytes for e in events)
+        assert abs(sent - formula[kind]) < 1e-6, (
+            f"{what}: {kind} sent {sent:.0f} bytes per rank; the formula says {formula[kind]:.0f} "
+            "(padded parameters; reduce-scatter only those with a gradient)")
+
+
+def backward_on_rank() -> list:
+    one_thread()
+    losses = {}
+    for kind in ["toy", "toy1", "gpt"]:
+        losses[kind] = train_and_check("fsdp.backward", kind, prefetch=False, inspect=check_backward_traffic)
+    losses["builtin"] = builtin_losses()
+    assert_close(torch.tensor(losses["gpt"]), torch.tensor(losses["builtin"]),
+                 f"fsdp.backward: rank {dist.get_rank()}: GPT losses vs torch's fully_shard")
+    return losses
+
+
+def builtin_losses() -> list[float]:
+    """The same GPT training with torch.distributed.fsdp.fully_shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from labkit.models import GPT, GPTConfig
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = GPT(GPTConfig()).double()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch("gpt", step)
+        loss = model(my_part(x), my_part(y))[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad) -> None:
+    """Forward: unit i+1's all-gather is issued before unit i's forward body starts.
+    Backward (GPT): the next block's re-gather is issued before this block's reduce-scatter."""
+    check_backward_traffic(tracer, started, what.replace("fsdp.prefetch", "fsdp.prefetch (traffic)"),
+                           kind, ref, units, with_grad)
+    forward = [e for e in tracer.events if e.kind == "all_gather" and not e.in_backward]
+    order = sorted(units, key=lambda u: started[u])  # forward order of the units
+    for i in range(len(order) - 1):
+        assert forward[i + 1].time < started[order[i]], (
+            f"{what}: the all-gather of unit {order[i + 1] or 'root'} was issued after unit "
+            f"{order[i] or 'root'} began its forward; prefetch it when {order[i] or 'root'} starts")
+    if len(units) > 2:  # GPT: backward runs root, blocks.L-1, ..., blocks.0
+        backward = [e for e in tracer.events if e.in_backward]
+        gathers = [i for i, e in enumerate(backward) if e.kind == "all_gather"]
+        scatters = [i for i, e in enumerate(backward) if e.kind == "reduce_scatter"]
+        blocks = order[1:][::-1]
+        for k in range(len(blocks) - 1):
+            assert gathers[k + 2] < scatters[k], (
+                f"{what}: in backward, the all-gather of {blocks[k + 1]} was issued after the "
+                f"reduce-scatter of {blocks[k]}; prefetch it when {blocks[k]}'s backward starts")
+
+
+def prefetch_on_rank() -> None:
+    one_thread()
+    for kind in ["toy", "gpt"]:
+        train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@task("fsdp.shard", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_shard(world_size):
+    run_graded("fsdp.shard", shard_on_rank, world_size)
+
+
+@task("fsdp.forward", points=3)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_forward_gathers_then_frees(world_size):
+    run_graded("fsdp.forward", forward_on_rank, world_size)
+
+
+@task("fsdp.backward", points=3)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_training_matches_single_process_and_fully_shard(world_size):
+    run_graded("fsdp.backward", backward_on_rank, world_size)
+
+
+@task("fsdp.prefetch", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_prefetch_issues_all_gathers_early(world_size):
+    run_graded("fsdp.prefetch", prefetch_on_rank, world_size)
