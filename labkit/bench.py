@@ -77,6 +77,35 @@ def _sync_device() -> None:
         torch.cuda.synchronize()
 
 
+def rank_batch(config, batch: int):
+    """This rank's ``batch`` sequences of one global batch of Markov tokens (seeded)."""
+    from labkit.data import markov_tokens
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
+    return x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
+
+
+def race_training_steps(models: dict, optimizers: dict, batch, repeats: int, warmup: int = 3):
+    """On every rank: a full step (forward, backward, optimizer step) of each model, timed
+    interleaved; then one traced step each. Returns (medians, {name: CommTracer})."""
+    from labkit.comm import CommTracer
+
+    def stepper(name):
+        def step(b):
+            models[name](*b)[1].backward()
+            optimizers[name].step()
+            optimizers[name].zero_grad(set_to_none=True)
+        return step
+
+    steps = {name: stepper(name) for name in models}
+    medians = interleaved_medians(steps, lambda: batch, repeats, warmup)
+    tracers = {}
+    for name, step in steps.items():
+        with CommTracer() as tracers[name]:  # after the timing: never time under the tracer
+            step(batch)
+    return medians, tracers
+
+
 # ----------------------------------------------------------------------------- rows
 
 
@@ -151,32 +180,14 @@ DDP_BENCH_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=
 def _ddp_vs_builtin(repeats: int, batch: int) -> dict:
     """A full training step (forward, backward, AdamW step) with labkit.ddp.DDP and with
     DistributedDataParallel, both at their default bucket sizes, interleaved."""
-    from labkit.comm import CommTracer
-    from labkit.data import markov_tokens
     from labkit.ddp import DDP
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(**DDP_BENCH_GPT)
     models = {"ours": DDP(GPT(config)), "builtin": torch.nn.parallel.DistributedDataParallel(GPT(config))}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
-    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
-
-    def stepper(name):
-        def step(b):
-            models[name](*b)[1].backward()
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
-        return step
-
-    steps = {name: stepper(name) for name in models}
-    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
-    calls, sent = {}, 0.0
-    for name, step in steps.items():
-        with CommTracer() as tracer:  # after the timing: never time under the tracer
-            step(local)
-        calls[name] = tracer.count("all_reduce")
-        sent = tracer.sent_bytes() if name == "ours" else sent
+    medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
+    calls = {name: tracer.count("all_reduce") for name, tracer in tracers.items()}
+    sent = tracers["ours"].sent_bytes()
     grad_bytes = sum(p.numel() * p.element_size() for p in models["ours"].parameters() if p.requires_grad)
     return dict(medians, calls=calls, sent=sent, grad_bytes=grad_bytes)
 
@@ -205,8 +216,6 @@ def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
-    from labkit.comm import CommTracer
-    from labkit.data import markov_tokens
     from labkit.models import GPT, GPTConfig
     from labkit.zero import ShardedOptimizer
     config = GPTConfig(**ZERO_BENCH_GPT)
@@ -215,24 +224,9 @@ def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
     optims = {"ours": ShardedOptimizer(models["ours"].parameters(), torch.optim.AdamW,
                                        shard_gradients=shard_gradients, lr=1e-3),
               "builtin": ZeroRedundancyOptimizer(models["builtin"].parameters(), torch.optim.AdamW, lr=1e-3)}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
-    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
-
-    def stepper(name):
-        def step(b):
-            models[name](*b)[1].backward()
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
-        return step
-
-    steps = {name: stepper(name) for name in models}
-    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
-    sent, kinds = {}, {}
-    for name, step in steps.items():
-        with CommTracer() as tracer:  # after the timing: never time under the tracer
-            step(local)
-        sent[name], kinds[name] = tracer.sent_bytes(), sorted(tracer.kinds())
+    medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
+    sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
+    kinds = {name: sorted(tracer.kinds()) for name, tracer in tracers.items()}
     phi = sum(p.numel() * p.element_size() for p in models["builtin"].parameters() if p.requires_grad)
     return dict(medians, sent=sent, kinds=kinds, phi=phi,
                 state_bytes=sum(t.numel() * t.element_size() for s in optims["ours"].state.values()
@@ -276,8 +270,6 @@ def _fsdp_vs_fully_shard(repeats: int, batch: int) -> dict:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from labkit import fsdp
-    from labkit.comm import CommTracer
-    from labkit.data import markov_tokens
     from labkit.memory import param_bytes
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(**FSDP_BENCH_GPT)
@@ -290,24 +282,8 @@ def _fsdp_vs_fully_shard(repeats: int, batch: int) -> dict:
             shard(block)
         shard(model)
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = markov_tokens(batch * world, config.block_size, config.vocab_size, seed=0)
-    local = x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
-
-    def stepper(name):
-        def step(b):
-            models[name](*b)[1].backward()
-            optims[name].step()
-            optims[name].zero_grad(set_to_none=True)
-        return step
-
-    steps = {name: stepper(name) for name in models}
-    medians = interleaved_medians(steps, lambda: local, repeats, warmup=3)
-    sent = {}
-    for name, step in steps.items():
-        with CommTracer() as tracer:  # after the timing: never time under the tracer
-            step(local)
-        sent[name] = tracer.sent_bytes()
+    medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
+    sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
     return dict(medians, sent=sent, formula=fsdp.step_bytes(models["ours"])["total"],
                 full_bytes=full_bytes, shard_bytes=param_bytes(models["ours"]),
                 torch_shard_bytes=param_bytes(models["builtin"]))
