@@ -160,8 +160,10 @@ def plot_timeline(spans, title: str = "", colors: dict | None = None, lanes: dic
     spans = list(spans)
     labels = list(dict.fromkeys(label for _, _, _, label in spans))
     colors = dict(colors or {})
+    # Automatic colours skip the ones fixed by the caller, so two labels never share one.
+    free = [c for c in (f"C{i}" for i in range(10)) if c not in colors.values()] or ["C0"]
     for i, label in enumerate(l for l in labels if l not in colors):
-        colors[label] = f"C{i % 10}"
+        colors[label] = free[i % len(free)]
     ranks = sorted({rank for rank, _, _, _ in spans})
     lanes = dict(lanes or {})
     depth = max(lanes.values(), default=0) + 1
