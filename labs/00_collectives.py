@@ -15,21 +15,16 @@ The backend follows ``labkit.launch``'s "auto": NCCL with one GPU per rank (tens
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.comm import CommTracer
-from labkit.launch import under_torchrun
+from labkit.labscript import lab_arguments, run_lab
 
 TOLERANCE = {torch.float32: 1e-5, torch.int64: 0}
 ALL_REDUCE_SHAPES = [(1,), (29, 31)]   # 1 and 899 elements: not divisible by 2, 3 or 4
@@ -208,28 +203,11 @@ def report(results: list[dict], sizes) -> bool:
     return traffic_ok
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks to start without torchrun (torchrun's WORLD_SIZE wins)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+if __name__ == "__main__":
+    parser = lab_arguments(__doc__)
     parser.add_argument("--max-mb", type=int, default=16,
                         help="timed sizes are 4 KB, 64 KB, 1 MB, 16 MB, 256 MB, ... up to this many MB (default 16)")
     parser.add_argument("--reps", type=int, default=15, help="timed repetitions per size (a third from 4 MB on)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang is reported")
-    return parser.parse_args(argv)
-
-
-if __name__ == "__main__":
-    args = parse_args()
+    args = parser.parse_args()
     sizes = [2**k for k in range(12, 40, 4) if 2**k <= args.max_mb * 2**20]   # 4 KB, 64 KB, 1 MB, 16 MB, ...
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    results = labkit.launch(main, world_size, sizes, args.reps, backend=args.backend, timeout=args.timeout)
-    if not under_torchrun() or dist.get_rank() == 0:
-        ok = report(results, sizes)
-    else:   # every rank holds every result: same verdict, no printing
-        with contextlib.redirect_stdout(io.StringIO()):
-            ok = report(results, sizes)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    run_lab(main, lambda results: report(results, sizes), args, sizes, args.reps)

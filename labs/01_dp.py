@@ -16,20 +16,17 @@ from any source), so under NCCL it is skipped.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import labkit
 from labkit.data import markov_tokens
 from labkit.dp import ShardSampler, average_gradients, run_parameter_server, shard_indices
-from labkit.launch import under_torchrun
+from labkit.labscript import lab_arguments, run_lab
 from labkit.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -175,21 +172,8 @@ def report(results: list[dict]) -> bool:
     return ok
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks to start without torchrun (torchrun's WORLD_SIZE wins)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--repeats", type=int, default=10, help="timed steps per side")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang is reported")
-    return parser.parse_args(argv)
-
-
 if __name__ == "__main__":
-    args = parse_args()
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    results = labkit.launch(main, world_size, args.repeats, backend=args.backend, timeout=args.timeout)
-    ok = report(results) if not under_torchrun() or dist.get_rank() == 0 else True
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    parser = lab_arguments(__doc__)
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per side")
+    args = parser.parse_args()
+    run_lab(main, report, args, args.repeats)

@@ -17,20 +17,16 @@ The backend follows ``labkit.launch``'s "auto": NCCL with one GPU per rank (the 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit.check import mismatch
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens
-from labkit.launch import under_torchrun
+from labkit.labscript import lab_arguments, run_lab
 from labkit.memory import grad_bytes, optimizer_state_bytes
 from labkit.models import GPT, GPTConfig
 from labkit.zero import ShardedOptimizer
@@ -165,24 +161,7 @@ def report(results: list[dict]) -> bool:
     return ok
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks to start without torchrun (torchrun's WORLD_SIZE wins)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang is reported")
-    return parser.parse_args(argv)
-
-
 if __name__ == "__main__":
-    args = parse_args()
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    results = labkit.launch(main, world_size, backend=args.backend, timeout=args.timeout)
-    if not under_torchrun() or dist.get_rank() == 0:
-        ok = report(results)
-    else:   # every rank holds every result: same verdict, no printing
-        with contextlib.redirect_stdout(io.StringIO()):
-            ok = report(results)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    parser = lab_arguments(__doc__)
+    args = parser.parse_args()
+    run_lab(main, report, args)

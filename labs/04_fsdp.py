@@ -17,22 +17,17 @@ The backend follows ``labkit.launch``'s "auto": NCCL with one GPU per rank (the 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit.bench import FSDP_BENCH_GPT
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens
-from labkit.launch import under_torchrun
+from labkit.labscript import lab_arguments, run_lab
 from labkit.memory import PeakMemory, memory_report
 from labkit.models import GPT, GPTConfig
 
@@ -211,25 +206,8 @@ def report(results: list[dict]) -> bool:
     return traffic_ok
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2,
-                        help="ranks to start without torchrun (torchrun's WORLD_SIZE wins)")
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--reps", type=int, default=10, help="timed steps per implementation")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds before a hang is reported")
-    return parser.parse_args(argv)
-
-
 if __name__ == "__main__":
-    args = parse_args()
-    world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    results = labkit.launch(main, world_size, args.reps, backend=args.backend, timeout=args.timeout)
-    if not under_torchrun() or dist.get_rank() == 0:
-        ok = report(results)
-    else:   # every rank holds every result: same verdict, no printing
-        with contextlib.redirect_stdout(io.StringIO()):
-            ok = report(results)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    parser = lab_arguments(__doc__)
+    parser.add_argument("--reps", type=int, default=10, help="timed steps per implementation")
+    args = parser.parse_args()
+    run_lab(main, report, args, args.reps)
