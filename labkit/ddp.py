@@ -141,7 +141,10 @@ class DDP(nn.Module):
                  init_sync: bool = True):
         super().__init__()
         self.module = module
-        self.group = process_group if process_group is not None else dist.group.WORLD
+        # None means the default group, looked up at each call: holding the group object
+        # would keep gloo's threads alive after destroy_process_group(), and a process that
+        # exits with them alive can abort (SIGABRT) while the interpreter shuts down.
+        self.group = process_group
         self.world_size = dist.get_world_size(self.group)
         self.find_unused_parameters = find_unused_parameters
         self.broadcast_buffers = broadcast_buffers

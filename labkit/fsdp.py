@@ -269,7 +269,7 @@ class FSDPUnit:
     def __init__(self, module: nn.Module, group, reshard_after_forward: bool, prefetch: bool):
         self.module = module
         self.name = type(module).__name__
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = group  # None: the default group (never hold it: see ddp.DDP.__init__)
         self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.reshard_after_forward = reshard_after_forward
         self.prefetch = prefetch

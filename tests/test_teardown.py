@@ -1,0 +1,76 @@
+"""Clean teardown: a training script that uses the exercise modules under plain
+``mp.spawn`` and ends with ``destroy_process_group()`` exits cleanly, every time.
+
+The failure this guards against: a gloo process group kept alive past
+``destroy_process_group()`` (a module holding the group object or an unfinished ``Work``)
+keeps gloo's worker threads alive into interpreter shutdown, where releasing an op's
+tensors needs the GIL and the process aborts ("terminate called without an active
+exception", SIGABRT) now and then, more often on a busy machine.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from tests.conftest import needs_solutions
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = 10
+
+SCRIPT = textwrap.dedent("""
+    import sys, tempfile
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from labkit.data import markov_tokens
+    from labkit.models import GPT, GPTConfig
+
+    def train(rank, world, store_file):
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        from labkit.ddp import DDP
+        from labkit.fsdp import fully_shard
+        from labkit.zero import ShardedOptimizer
+        config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+        x, y = markov_tokens(4, config.block_size, config.vocab_size, seed=rank)
+        ddp = DDP(GPT(config))
+        zero_model = GPT(config)
+        fsdp = GPT(config)
+        for block in fsdp.blocks:
+            fully_shard(block)
+        fully_shard(fsdp)
+        runs = [(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)),
+                (zero_model, ShardedOptimizer(zero_model.parameters(), torch.optim.AdamW,
+                                              shard_gradients=True, lr=1e-3)),
+                (fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3))]
+        for model, opt in runs:
+            for _ in range(3):
+                model(x, y)[1].backward()
+                opt.step()
+                opt.zero_grad()
+        dist.barrier()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        failures = 0
+        for run in range(int(sys.argv[1])):
+            with tempfile.NamedTemporaryFile() as store:
+                try:
+                    mp.spawn(train, args=(2, store.name + ".store"), nprocs=2)
+                except Exception as error:  # a rank that died: SIGABRT at exit, say
+                    failures += 1
+                    print(f"run {run}: {error}", flush=True)
+        print(f"{failures} of {sys.argv[1]} runs ended abnormally")
+""")
+
+
+@needs_solutions
+def test_training_scripts_under_mp_spawn_exit_cleanly(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script), str(RUNS)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and f"0 of {RUNS} runs ended abnormally" in proc.stdout, out[-4000:]
+    assert "terminate called" not in out, out[-4000:]
