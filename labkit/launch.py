@@ -4,8 +4,8 @@
 
 Each rank is its own process with the default process group initialised; it runs
 ``fn(*args, **kwargs)`` and its return value comes back in rank order. Ranks are forked by
-a per-caller rank server (``_zygote``) that imported torch once, so a launch costs about a
-tenth of a second instead of seconds. What the launcher promises, and how:
+a per-caller rank server (``labkit.course.rankserver``) that imported torch once, so a
+launch costs about a tenth of a second instead of seconds. What the launcher promises, and how:
 
 * notebook functions work: ``fn`` is serialised with cloudpickle, which ships functions
   defined in ``__main__`` by value, and each rank sees the caller's ``sys.path``, cwd, env;
@@ -13,22 +13,29 @@ tenth of a second instead of seconds. What the launcher promises, and how:
   by line as ``[rank r] ...``;
 * a rank that raises: ``WorkerError`` naming the first rank that failed, with its remote
   traceback; the other ranks are killed at once;
-* a hang: at ``timeout`` seconds every rank dumps its Python stack (faulthandler on
+* a deadlock: when every rank sits blocked in communication and none moves for a couple
+  of seconds, ``Deadlock`` (a ``LaunchTimeout``) says in one line who waits for what, where,
+  followed by every rank's stack (``labkit.course.deadlock``; ``detect_deadlock=False``
+  turns it off);
+* any other hang: at ``timeout`` seconds every rank dumps its Python stack (faulthandler on
   SIGUSR1) and ``LaunchTimeout`` carries those stacks, so you see who waits where;
 * no orphans: ranks are killed on every way out of this function (including Ctrl-C);
   ranks die with the rank server and the server with the caller (PR_SET_PDEATHSIG, plus
   a watchdog), so even a SIGKILLed caller leaves nothing behind;
 * no port collisions: the rendezvous store is a TCPStore the caller binds on port 0
   (the OS picks a free port while we hold it), so concurrent launches cannot clash;
-* under ``torchrun`` the same call runs ``fn`` in-process on this rank instead.
+* under ``torchrun`` the same call runs ``fn`` in-process on this rank instead, and the
+  process group it made is destroyed at exit (a gloo group left alive can abort the
+  process while the interpreter shuts down).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import pickle
 import re
-import json
 import signal
 import subprocess
 import sys
@@ -41,9 +48,13 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from labkit.course import deadlock
+
 BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
 KILL_GRACE = 2.0        # seconds between SIGTERM and SIGKILL when stopping ranks
+OWN_FRAMES = ("labkit/course/worker.py", "labkit/course/rankserver.py", "labkit/course/deadlock.py",
+              "<frozen runpy>")  # the launcher's frames: never what the learner wants to see
 
 
 class LaunchError(RuntimeError):
@@ -65,12 +76,29 @@ class WorkerError(LaunchError):
 class LaunchTimeout(LaunchError, TimeoutError):
     """The ranks did not finish within ``timeout``; ``stacks[rank]`` is where each one was."""
 
-    def __init__(self, timeout: float, stacks: dict[int, str]):
+    def __init__(self, timeout: float, stacks: dict[int, str], headline: str | None = None):
         self.timeout, self.stacks = timeout, stacks
-        parts = [f"ranks did not finish within {timeout:g} s; where each rank was:"]
+        parts = [headline or f"ranks did not finish within {timeout:g} s; where each rank was:"]
         for rank, stack in sorted(stacks.items()):
             parts.append(f"--- rank {rank} ---\n{stack.rstrip()}")
         super().__init__("\n".join(parts))
+
+
+class Deadlock(LaunchTimeout):
+    """Every rank was blocked in communication, and none moved: they never would.
+
+    ``waits[rank]`` says what each rank waited in ("recv from rank 1 of (4,) float32",
+    "finished, waiting for the others"), ``where[rank]`` the learner's line, ``elapsed``
+    the seconds from the launch to the verdict; the message starts with the one-line verdict.
+    """
+
+    def __init__(self, timeout: float, snapshots: list, elapsed: float):
+        self.elapsed = elapsed
+        self.waits = {s.rank: s.wait for s in snapshots}
+        self.where = {s.rank: s.where for s in snapshots}
+        stacks = {s.rank: s.stack or "(finished; waiting for the other ranks)" for s in snapshots}
+        super().__init__(timeout, stacks, deadlock.diagnosis(snapshots, elapsed)
+                         + "\n\nwhere each rank was:")
 
 
 # ----------------------------------------------------------------------------- checks
@@ -110,8 +138,14 @@ def under_torchrun() -> bool:
 # ----------------------------------------------------------------------------- launch
 
 
-def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order."""
+def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock=True, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
+
+    ``backend``: "auto" (NCCL with a GPU per rank, else gloo), "gloo" or "nccl".
+    ``timeout``: seconds before a hang is reported with every rank's stack.
+    ``detect_deadlock``: report ranks that all wait on each other within seconds, not at
+    the timeout (see ``labkit.course.deadlock``).
+    """
     world_size = _check_arguments(fn, world_size)
     if "LABKIT_RANK" in os.environ:
         raise RuntimeError("launch() was called from inside a rank; launches do not nest")
@@ -132,7 +166,8 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, **kwargs) -> li
         try:
             for rank in range(world_size):
                 ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout))
-            return _supervise(server, ranks, timeout)
+            detector = deadlock.Detector(ranks, _dump_stacks, backend) if detect_deadlock else None
+            return _supervise(server, ranks, timeout, detector)
         finally:
             _stop(ranks)
             del store
@@ -149,6 +184,10 @@ class _Rank:
     def path(self, what: str, ext: str) -> str:
         return os.path.join(self.rundir, f"{what}_{self.rank}.{ext}")
 
+    @property
+    def journal_path(self) -> str:
+        return self.path("journal", "bin")
+
     def poll(self) -> int | None:
         """The rank's exit status (negative: killed by that signal), or None if running."""
         try:
@@ -157,9 +196,13 @@ class _Rank:
         except FileNotFoundError:
             return None
 
+    def finished(self) -> bool:
+        """The rank returned and waits to be stopped (see worker._wait_for_peers)."""
+        return os.path.exists(self.path("result", "pkl"))
+
 
 class _RankServer:
-    """Handle on this process's rank server (see ``_zygote``), started on first use."""
+    """Handle on this process's rank server (see ``labkit.course.rankserver``), started on first use."""
 
     _instance: "_RankServer | None" = None
     _lock = threading.Lock()
@@ -168,7 +211,7 @@ class _RankServer:
         env = dict(os.environ, PYTHONPATH=_caller_path())
         self.owner = os.getpid()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit._zygote"], env=env, stdin=subprocess.PIPE,
+            [sys.executable, "-m", "labkit.course.rankserver"], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, start_new_session=True,  # survives the notebook's Ctrl-C
         )
 
@@ -219,9 +262,10 @@ def _start_rank(server, rank, world_size, backend, port, rundir, timeout) -> _Ra
     return rank_info
 
 
-def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float) -> list:
-    """Relay output until every rank is done, one fails, or the deadline passes."""
-    deadline = time.monotonic() + timeout
+def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector) -> list:
+    """Relay output until every rank is done, one fails, they deadlock, or the deadline passes."""
+    start = time.monotonic()
+    deadline = start + timeout
     error = None
     while True:
         for r in ranks:
@@ -231,16 +275,20 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float) -> list:
         if failed:
             error = _first_failure(ranks, failed)
             break
-        if all(os.path.exists(r.path("result", "pkl")) for r in ranks):
+        if all(r.finished() for r in ranks):
+            break
+        stuck = detector.check() if detector is not None else None
+        if stuck is not None:
+            error = Deadlock(timeout, stuck, time.monotonic() - start)
             break
         if time.monotonic() > deadline:
-            error = LaunchTimeout(timeout, _dump_stacks(ranks))
+            error = LaunchTimeout(timeout, _timeout_stacks(ranks))
             break
         if not server.alive():
             error = LaunchError("the rank server died; its ranks died with it")
             break
         time.sleep(0.02)
-    _stop(ranks)  # also ends finished ranks, which wait for this (_worker._wait_for_peers)
+    _stop(ranks)  # also ends finished ranks, which wait for this (worker._wait_for_peers)
     for r in ranks:
         _relay(r, final=True)
     if error is not None:
@@ -276,30 +324,55 @@ def _first_failure(ranks: list[_Rank], failed: list[_Rank]) -> WorkerError:
             reports.append(_load(r.path("error", "pkl")))
         elif r in failed:  # died without reporting: a signal, os._exit, a crash in C
             code = r.poll()
-            why = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            reports.append(dict(rank=r.rank, time=float("inf"), exc_type="ProcessExit",
+            why = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
+                   else f"exited with status {code}")
+            # When it died: a peer's "connection reset" that follows is a consequence, not the cause.
+            died = os.path.getmtime(r.path("exit", "txt"))
+            reports.append(dict(rank=r.rank, time=died, exc_type="ProcessExit",
                                 message=f"the rank's process {why} without raising",
-                                traceback="(no Python traceback: the process died)"))
+                                traceback=_crash_report(r)))
     first = min(reports, key=lambda e: (e["time"], e["rank"]))
     return WorkerError(first["rank"], first["exc_type"], first["message"], first["traceback"])
 
 
-def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
-    """Ask every live rank for its Python stack (see _worker: faulthandler on SIGUSR1)."""
-    stacks, waiting = {}, []
+def _crash_report(r: _Rank) -> str:
+    """What a rank that died in C printed: the C++ message and the Python stack faulthandler
+    wrote (``faulthandler.enable()`` in the worker), from its output file."""
+    try:
+        with open(r.path("out", "log"), errors="replace") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return "(no Python traceback: the process died)"
+    start = text.find("Fatal Python error")
+    if start < 0:
+        return "(no Python traceback: the process died)"
+    cause = [ln for ln in text[:start].splitlines()[-4:] if "terminate" in ln or "what()" in ln]
+    return "\n".join(cause + [_main_thread_stack(text[start:])])
+
+
+def _timeout_stacks(ranks: list[_Rank]) -> dict[int, str]:
+    """Where every rank is, for a timeout report: live ranks dump their stacks."""
+    stacks = {}
     for r in ranks:
         if r.poll() is not None:
             stacks[r.rank] = f"(already exited with status {r.poll()})"
-        elif os.path.exists(r.path("result", "pkl")):
+        elif r.finished():
             stacks[r.rank] = "(finished; waiting for the other ranks)"
-        else:
-            _signal(r, signal.SIGUSR1, group=False)
-            waiting.append(r)
+    live = [r for r in ranks if r.rank not in stacks]
+    return stacks | _dump_stacks(live)
+
+
+def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
+    """Ask each rank for its Python stack (see worker: faulthandler on SIGUSR1)."""
+    for r in ranks:
+        open(r.path("stack", "txt"), "w").close()  # the rank appends: start from empty
+        _signal(r, signal.SIGUSR1, group=False)
     end = time.monotonic() + STACK_DUMP_WAIT
-    while time.monotonic() < end and not all(_nonempty(r.path("stack", "txt")) for r in waiting):
-        time.sleep(0.05)
-    time.sleep(0.1)  # let the last lines land
-    for r in waiting:
+    while time.monotonic() < end and not all(_nonempty(r.path("stack", "txt")) for r in ranks):
+        time.sleep(0.02)
+    time.sleep(0.05)  # let the last lines land
+    stacks = {}
+    for r in ranks:
         path = r.path("stack", "txt")
         text = open(path, errors="replace").read() if _nonempty(path) else ""
         stacks[r.rank] = _main_thread_stack(text) or "(the rank did not report its stack)"
@@ -312,8 +385,9 @@ def _main_thread_stack(dump: str) -> str:
     mains = [b for b in blocks if "_run_user_function" in b]
     stack = mains[0] if mains else dump
     # Drop the thread's address and our own frames: what matters is the user's code.
-    lines = [ln for ln in stack.splitlines()[1:] 
-             if not any(own in ln for own in ("labkit/_worker.py", "labkit/_zygote.py", "<frozen runpy>"))]
+    lines = [ln for ln in stack.splitlines()[1:]
+             if ln.strip() and not ln.startswith("Extension modules")
+             and not any(own in ln for own in OWN_FRAMES)]
     return "Stack (most recent call first):\n" + "\n".join(lines)
 
 
@@ -332,7 +406,7 @@ def _signal(r: _Rank, sig: int, group: bool = True) -> None:
     try:
         if group:
             try:
-                os.killpg(r.pid, sig)  # the rank leads its own group (see _worker.run_forked)
+                os.killpg(r.pid, sig)  # the rank leads its own group (see worker.run_forked)
                 return
             except ProcessLookupError:
                 pass  # not yet its own group leader
@@ -356,10 +430,18 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend)
+        # Ours to clean up. Left to interpreter shutdown, gloo's worker threads may still be
+        # releasing the last op's tensors, which needs the GIL: the process aborts (SIGABRT).
+        atexit.register(_destroy_process_group)
     result = fn(*args, **kwargs)
     results = [None] * world_size
     dist.all_gather_object(results, result)
     return results
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- helpers

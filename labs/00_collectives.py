@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from labkit.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from labkit.comm import CommTracer
-from labkit.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, run_lab
 
 TOLERANCE = {torch.float32: 1e-5, torch.int64: 0}
 ALL_REDUCE_SHAPES = [(1,), (29, 31)]   # 1 and 899 elements: not divisible by 2, 3 or 4

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from labkit.data import markov_tokens
 from labkit.dp import ShardSampler, average_gradients, run_parameter_server, shard_indices
-from labkit.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, run_lab
 from labkit.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from labkit.check import mismatch
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens
-from labkit.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, run_lab
 from labkit.memory import grad_bytes, optimizer_state_bytes
 from labkit.models import GPT, GPTConfig
 from labkit.zero import ShardedOptimizer

@@ -1,8 +1,8 @@
 import pytest
 
-from labkit.workspace import is_student_workspace
+from labkit.course.workspace import is_student_workspace
 
-pytest_plugins = ["labkit.grading"]
+pytest_plugins = ["labkit.course.grading"]
 
 # Tests that exercise the reference solutions (not the infrastructure) skip in a learner
 # workspace, where those solutions are stubs; the infrastructure tests run in both trees.

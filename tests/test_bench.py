@@ -1,7 +1,7 @@
 """labkit bench: the rows run and report medians, ratios and traced bytes."""
 
 import labkit
-from labkit import bench
+from labkit.course import bench
 from labkit.launch import WorkerError
 from tests.conftest import needs_solutions
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import grading, workspace
+from labkit.course import grading, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,8 @@ def test_gradescope_results_have_the_required_fields():
     for test, record in zip(results["tests"], RECORDS):
         assert set(test) == {"name", "score", "max_score", "output", "visibility"}
         assert test["name"].startswith(record["task"]) and test["max_score"] == record["points"]
-    assert results["tests"][1]["output"] == "x.one: rank 1 off by 2"
+    assert results["tests"][0]["output"] == "passed"
+    assert results["tests"][1]["output"] == "FAILED x.one · a[2]\n  rank 1 off by 2"
 
 
 def test_long_failure_output_is_truncated():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import workspace
+from labkit.course import workspace
 from tests.conftest import needs_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,13 +26,13 @@ def run_in(tree: Path, *args, timeout=900) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def student(tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("student") / "workspace"
-    proc = run_in(ROOT, "-m", "labkit.cli", "workspace", str(dest))
+    proc = run_in(ROOT, "-m", "labkit.course.cli", "workspace", str(dest))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dest
 
 
 def graded(tree: Path, results: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = run_in(tree, "-m", "labkit.cli", "grade", "--json", str(results))
+    proc = run_in(tree, "-m", "labkit.course.cli", "grade", "--json", str(results))
     assert results.exists(), proc.stdout + proc.stderr
     return proc, json.loads(results.read_text())
 
@@ -64,7 +64,7 @@ def test_every_task_scores_zero_on_its_stub_and_says_which(student, tmp_path):
         task = test["name"].split(" :: ")[0]
         tasks_seen.add(task)
         assert test["score"] == 0, test["name"]
-        assert "NotImplementedError" in test["output"] and f"{task}:" in test["output"], \
+        assert "NotImplementedError" in test["output"] and test["output"].startswith(f"FAILED {task} "), \
             f"{test['name']}: the failure does not name the task's stub:\n{test['output']}"
     assert tasks_seen == set(listed_tasks(student))
 
@@ -73,12 +73,51 @@ def listed_tasks(tree: Path) -> list[str]:
     return (tree / workspace.MARKER_FILE).read_text().split()
 
 
-def test_every_task_scores_full_on_the_reference(tmp_path):
-    proc, results = graded(ROOT, tmp_path / "results.json")
+def installed_labkit() -> list[str]:
+    """The ``labkit`` command as pip installed it: it imports the installed package (here,
+    the reference), not whatever tree it is run in."""
+    script = Path(sys.executable).parent / "labkit"
+    if not script.exists():
+        pytest.skip("the labkit command is not installed (pip install -e .)")
+    return [str(script)]
+
+
+def test_grading_uses_the_tree_you_stand_in_whatever_labkit_is_installed(student, tmp_path):
+    import labkit
+    assert Path(labkit.__file__).resolve().parent.parent == ROOT  # installed: the reference
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # In the stubbed workspace: zero, and the header names the workspace.
+    proc = subprocess.run([*installed_labkit(), "grade", "collectives", "--json", str(tmp_path / "ws.json")],
+                          cwd=student / "tests", env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"grading {student} (learner workspace)" in proc.stdout, proc.stdout
+    assert json.loads((tmp_path / "ws.json").read_text())["score"] == 0
+    assert "NOT IMPLEMENTED collectives.all_reduce" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"graded: {student} (learner workspace)"), proc.stdout[-300:]
+    # The other way round: the workspace's labkit imported, standing in the reference: full marks.
+    proc = subprocess.run([*installed_labkit(), "grade", "00"], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(env, PYTHONPATH=str(student)), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert results["score"] == results["max_score"] > 0, proc.stdout
-    assert {t["name"].split(" :: ")[0] for t in results["tests"]} == set(workspace.tasks())
-    assert "total" in proc.stdout and "points" in proc.stdout
+    assert f"grading {ROOT} (reference solutions)" in proc.stdout and "13/13" in proc.stdout, proc.stdout
+
+
+def test_grading_refuses_outside_a_course_tree(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "labkit.course.cli", "grade"], cwd=tmp_path,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "is not inside a course tree" in proc.stderr, proc.stderr
+
+
+def test_one_task_can_be_graded_and_tasks_list_file_line_and_hint(student):
+    proc = run_in(student, "-m", "labkit.course.cli", "tasks")
+    assert proc.returncode == 0, proc.stderr
+    for region in workspace.all_regions(ROOT / "labkit"):
+        assert f"{region.task}" in proc.stdout and region.hint in proc.stdout
+    assert "labkit/collectives.py:" in proc.stdout
+    proc = run_in(student, "-m", "labkit.course.cli", "grade", "collectives.reduce_scatter")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    table = proc.stdout[proc.stdout.index("task "):]
+    assert "collectives.reduce_scatter" in table and "0/4" in table
+    assert "collectives.all_gather" not in table, table
 
 
 def test_the_infrastructure_tests_pass_in_the_workspace(student):

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer
-from labkit.grading import run_graded, task
+from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
 # (dtype, shape of one rank's chunk): odd sizes, floats and integers.

@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from labkit.check import assert_close
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens, regression
-from labkit.grading import run_graded, task
+from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
 
 WORLD_SIZES = [1, 2, 3, 4]

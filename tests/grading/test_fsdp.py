@@ -23,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer
-from labkit.grading import run_graded, task
+from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
 BATCH = 12      # global batch: divides by 1, 2, 3 and 4, so every rank gets an equal share

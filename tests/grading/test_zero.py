@@ -29,7 +29,7 @@ import torch.distributed as dist
 from labkit.check import assert_close
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens, regression
-from labkit.grading import run_graded, task
+from labkit.course.grading import run_graded, task
 from labkit.memory import grad_bytes, optimizer_state_bytes, tensor_bytes
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
 

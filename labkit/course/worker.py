@@ -1,6 +1,6 @@
 """One rank of a ``labkit.launch`` (never run by hand).
 
-The rank server (``_zygote``) forks this code with a spec file describing the rank: its
+The rank server (``rankserver``) forks this code with a spec file describing the rank: its
 number, the run directory, the caller's environment, ``sys.path`` and working directory.
 The rank writes its output to ``out_<rank>.log`` (the caller relays it) and its outcome to
 ``result_<rank>.pkl`` or ``error_<rank>.pkl``.
@@ -21,6 +21,10 @@ from datetime import timedelta
 import cloudpickle
 import torch
 import torch.distributed as dist
+
+from labkit.course import deadlock
+
+COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -69,8 +73,10 @@ def _redirect_output(path: str) -> None:
 
 def run_rank(spec: dict) -> None:
     rank, rundir = spec["rank"], spec["rundir"]
-    # On SIGUSR1 (sent at the launch timeout) write every thread's Python stack to a file.
-    stack_file = open(os.path.join(rundir, f"stack_{rank}.txt"), "w")
+    # On SIGUSR1 (at the timeout, or when the deadlock detector asks) write every thread's
+    # Python stack to a file. Append mode: the caller empties the file before each request.
+    stack_file = open(os.path.join(rundir, f"stack_{rank}.txt"), "a")
+    deadlock.open_journal(os.path.join(rundir, f"journal_{rank}.bin"))
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.enable()  # a crash in C still prints a Python stack to the relayed output
     try:
@@ -114,11 +120,11 @@ def _wait_for_peers() -> None:
 
 
 def _user_traceback(exc: BaseException) -> str:
-    """The traceback from the user's code down, without this module's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
+    """The traceback from the user's code down, without the launcher's own frames."""
+    tb = traceback.TracebackException.from_exception(exc)
+    tb.stack = traceback.StackSummary.from_list(
+        [f for f in tb.stack if os.path.dirname(os.path.abspath(f.filename)) != COURSE_DIR])
+    return "".join(tb.format())
 
 
 def _write_atomically(path: str, obj) -> None:

@@ -18,7 +18,7 @@ import os
 import select
 import sys
 
-from labkit import _worker  # imports torch: the whole point of this process
+from labkit.course import deadlock, worker  # imports torch: the whole point of this process
 
 # Imported once here rather than in every rank. torch._dynamo is the big one: the first
 # TorchDispatchMode (our tracer, DTensor, FSDP2) pulls it in, at ~2 s a rank. Exercise
@@ -48,7 +48,7 @@ def _fork_rank(spec_path: str) -> int:
     pid = os.fork()
     if pid == 0:  # the rank: never returns into this loop
         try:
-            _worker.run_forked(spec_path)
+            worker.run_forked(spec_path)
         finally:
             os._exit(1)
     return pid
@@ -60,6 +60,7 @@ def main() -> None:
     caller = os.getppid()
     for module in PRELOAD:
         importlib.import_module(module)
+    deadlock.install_journal()  # every rank forked from here journals its blocking calls
     children: dict[int, str] = {}
     stdin, buffered = sys.stdin.fileno(), b""
     while True:

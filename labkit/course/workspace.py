@@ -33,13 +33,29 @@ class Region:
 
 
 def package_dir() -> Path:
-    return Path(__file__).resolve().parent
+    """The ``labkit`` package Python imported (not ``labkit/course``)."""
+    return Path(__file__).resolve().parent.parent
+
+
+def is_course_root(path: Path) -> bool:
+    """A clone of the course or a learner workspace: labkit/, tests/grading/, pyproject.toml."""
+    return ((path / "labkit" / "__init__.py").is_file() and (path / "tests" / "grading").is_dir()
+            and (path / "pyproject.toml").is_file())
+
+
+def find_course_root(start: Path | None = None) -> Path | None:
+    """The course tree that contains ``start`` (default: the working directory), or None."""
+    here = Path(start or Path.cwd()).resolve()
+    for candidate in (here, *here.parents):
+        if is_course_root(candidate):
+            return candidate
+    return None
 
 
 def course_root() -> Path:
     """The checkout (or workspace) this labkit was imported from."""
     root = package_dir().parent
-    if not (root / "pyproject.toml").exists() or not (root / "tests").is_dir():
+    if not is_course_root(root):
         raise RuntimeError(f"labkit at {package_dir()} is not inside a course checkout; "
                            "run from a clone of the repository (pip install -e .)")
     return root
@@ -71,6 +87,20 @@ def find_regions(path: Path) -> list[Region]:
     if open_at is not None:
         raise ValueError(f"{path}:{open_at[0] + 1}: BEGIN SOLUTION is never closed")
     return regions
+
+
+STUB = re.compile(r"""^(?P<indent>\s*)raise NotImplementedError\((?P<q>['"])(?P<task>[a-z0-9_]+\.[a-z0-9_]+): (?P<hint>.*)(?P=q)\)\s*$""")
+
+
+def find_stubs(path: Path) -> list[Region]:
+    """The stubs of a learner workspace's file, as one-line regions (the raise line)."""
+    return [Region(m["task"], m["hint"], path, i, i)
+            for i, line in enumerate(path.read_text().splitlines()) if (m := STUB.match(line))]
+
+
+def exercises(pkg: Path) -> list[Region]:
+    """Every exercise of the package, reference or workspace: solution regions, or stubs."""
+    return all_regions(pkg) or [r for path in sorted(pkg.glob("*.py")) for r in find_stubs(path)]
 
 
 def all_regions(pkg: Path | None = None) -> list[Region]:
@@ -108,6 +138,8 @@ def clear_outputs(notebook: Path) -> None:
 def make_workspace(dest: Path, root: Path | None = None, force: bool = False) -> list[Region]:
     """Copy the course to ``dest`` with every solution region stubbed out."""
     root = root or course_root()
+    if is_student_workspace(root):
+        raise ValueError(f"{root} is a learner workspace already: make workspaces from the course itself")
     dest = Path(dest).resolve()
     if dest == root or any(root / name in (dest, *dest.parents) for name in COPIED):
         raise ValueError(f"refusing to write the workspace over the course itself ({dest})")

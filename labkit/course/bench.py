@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.launch import WorkerError, launch
+from labkit.timing import interleaved_medians
 
 
 @dataclass
@@ -43,38 +44,6 @@ def row(name: str):
         ROWS[name] = fn
         return fn
     return register
-
-
-def interleaved_medians(candidates: dict, make_input, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """On every rank: median seconds of each candidate ``fn(make_input())``, interleaved.
-
-    Call inside a launch. One repetition's time is the slowest rank's (all-reduced MAX).
-    """
-    names = list(candidates)
-    times = {name: [] for name in names}
-    for i in range(warmup + repeats):
-        order = names if i % 2 == 0 else names[::-1]  # so neither side always goes first
-        for name in order:
-            x = make_input()
-            _sync_device()
-            dist.barrier()
-            start = time.perf_counter()
-            candidates[name](x)
-            _sync_device()  # CUDA work is asynchronous: time its completion, not its launch
-            elapsed = time.perf_counter() - start
-            if i >= warmup:
-                times[name].append(elapsed)
-    medians = {}
-    for name in names:
-        slowest = torch.tensor(times[name], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        medians[name] = statistics.median(slowest.tolist())
-    return medians
-
-
-def _sync_device() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def rank_batch(config, batch: int):

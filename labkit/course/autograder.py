@@ -1,0 +1,151 @@
+"""A Gradescope autograder made from the course: ``labkit autograder [chapters] -o autograder.zip``.
+
+The zip holds what Gradescope asks for at its top level, ``setup.sh`` (builds the image once)
+and ``run_autograder`` (runs per submission), next to the *student release* of the course
+(every solution stubbed, as ``labkit workspace`` makes it) and ``autograder.json`` (which
+chapters, the time limit per graded launch). Gradescope unpacks it in ``/autograder/source``
+and puts the student's files in ``/autograder/submission``. For each submission we
+
+1. copy the release to a scratch tree and drop in the submitted exercise modules
+   (``collectives.py``, ``ddp.py``, ... found anywhere in the submission; nothing else:
+   a submission cannot replace the grading code);
+2. grade the chosen chapters there, exactly as ``labkit grade`` does;
+3. write ``/autograder/results/results.json`` whatever happens: a hung or crashing
+   submission still gets its score, and a broken grading run gets a score of 0 that says why.
+
+``AUTOGRADER_ROOT`` (default ``/autograder``) and ``AUTOGRADER_PYTHON`` let a test run the
+same script in a simulated layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+import zipfile
+from pathlib import Path
+
+from labkit.course import grading, workspace
+
+CONFIG = "autograder.json"
+RELEASE_PARTS = ["labkit", "tests", "pyproject.toml", "README.md", workspace.MARKER_FILE]
+
+SETUP_SH = """#!/usr/bin/env bash
+# Gradescope runs this once, as root, when it builds the autograder image.
+set -euo pipefail
+cd /autograder/source
+if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    apt-get update && apt-get install -y python3 python3-venv python3-pip
+fi
+python3 -m venv /autograder/venv
+# The CPU build of torch: the default one on Linux pulls several GB of CUDA libraries.
+/autograder/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+/autograder/venv/bin/pip install -e /autograder/source
+"""
+
+RUN_AUTOGRADER = """#!/usr/bin/env bash
+# Gradescope runs this for every submission. It always writes results/results.json.
+AG="${AUTOGRADER_ROOT:-/autograder}"
+PY="${AUTOGRADER_PYTHON:-$AG/venv/bin/python}"
+cd "$AG/source"
+exec "$PY" -m labkit.course.autograder run --source "$AG/source" \\
+    --submission "$AG/submission" --results "$AG/results/results.json"
+"""
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 60) -> Path:
+    """Write the autograder zip for ``chapters`` (all if empty) of the course at ``root``."""
+    if workspace.is_student_workspace(root):
+        raise ValueError("build the autograder from the course with the reference solutions, "
+                         "not from a learner workspace")
+    files = grading.grading_files(chapters, root)  # fails early on an unknown chapter
+    output = Path(output).resolve()
+    with tempfile.TemporaryDirectory(prefix="labkit-autograder-") as tmp:
+        release = Path(tmp) / "release"
+        workspace.make_workspace(release, root=root)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(output, "w", zipfile.ZIP_DEFLATED) as bundle:
+            for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):
+                info = zipfile.ZipInfo(name)
+                info.external_attr = 0o755 << 16  # executable once unpacked
+                bundle.writestr(info, text)
+            config = dict(chapters=[f.stem.removeprefix("test_") for f in files], timeout=timeout)
+            bundle.writestr(CONFIG, json.dumps(config, indent=1) + "\n")
+            for part in RELEASE_PARTS:
+                path = release / part
+                for file in sorted(path.rglob("*") if path.is_dir() else [path]):
+                    if file.is_file() and "__pycache__" not in file.parts:
+                        bundle.write(file, file.relative_to(release).as_posix())
+    return output
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def exercise_files(submission: Path) -> dict[str, Path]:
+    """Submitted exercise modules by name; ``labkit/<name>.py`` wins over a loose file."""
+    wanted = {f"{module}.py" for module in grading.CHAPTERS.values()}
+    found: dict[str, Path] = {}
+    for path in sorted(submission.rglob("*.py"), key=lambda p: (p.parent.name != "labkit", len(p.parts))):
+        if path.name in wanted and path.name not in found:
+            found[path.name] = path
+    return found
+
+
+def grade_submission(source: Path, submission: Path, results: Path) -> dict:
+    """Grade one submission against the release in ``source``; write and return results."""
+    config = json.loads((source / CONFIG).read_text())
+    with tempfile.TemporaryDirectory(prefix="labkit-submission-") as tmp:
+        tree = Path(tmp) / "course"
+        shutil.copytree(source, tree, ignore=shutil.ignore_patterns("__pycache__"))
+        submitted = exercise_files(submission)
+        if not submitted:
+            return _write(results, dict(score=0.0, output=(
+                "No exercise files found in the submission: upload your labkit/*.py "
+                f"({', '.join(m + '.py' for m in config['chapters'])}).")))
+        for name, path in submitted.items():
+            shutil.copy(path, tree / "labkit" / name)
+        env = dict(os.environ, **{grading.TIMEOUT_ENV: str(config["timeout"])})
+        files = grading.grading_files(config["chapters"], tree)
+        records, log = grading.run_tests(files, tree, progress=False, env=env)
+    out = grading.gradescope_results(records)
+    out["output"] = (f"Graded {', '.join(sorted(submitted))} on chapters {', '.join(config['chapters'])}: "
+                     f"{out['score']:g}/{out['max_score']:g}.")
+    return _write(results, out)
+
+
+def _write(results: Path, content: dict) -> dict:
+    results.parent.mkdir(parents=True, exist_ok=True)
+    tmp = results.with_suffix(".tmp")
+    tmp.write_text(json.dumps(content, indent=2) + "\n")
+    os.replace(tmp, results)
+    return content
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m labkit.course.autograder")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="grade one submission (what run_autograder calls)")
+    run.add_argument("--source", type=Path, required=True)
+    run.add_argument("--submission", type=Path, required=True)
+    run.add_argument("--results", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        results = grade_submission(args.source, args.submission, args.results)
+    except Exception:  # noqa: BLE001 - the student must always get a results.json
+        _write(args.results, dict(score=0.0, output="The autograder failed; tell your instructor.\n\n"
+                                  + traceback.format_exc()[-3000:]))
+        raise
+    print(f"score {results['score']:g}" + (f"/{results['max_score']:g}" if "max_score" in results else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The ``labkit`` command: grade, tasks, workspace, autograder, bench.
+
+Every command works on the course tree you stand in (a clone or a learner workspace; the
+nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
+one ``--root`` names, whichever ``labkit`` happens to be installed: if Python imported
+labkit from another tree, the command runs itself again with that tree's code first on
+the path. Grading a stubbed workspace with the reference solutions (or the other way round)
+is therefore impossible, and the header says which tree was used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from labkit.course import grading, workspace
+
+REEXEC_ENV = "LABKIT_CLI_TREE"  # set when the command re-ran itself on another tree
+
+
+def tree_label(root: Path) -> str:
+    kind = "learner workspace" if workspace.is_student_workspace(root) else "reference solutions"
+    return f"{root} ({kind})"
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_grade(args, root: Path) -> int:
+    chapters, tasks = grading.split_selection(args.selection)
+    files = grading.grading_files(chapters, root)
+    print(f"labkit grade: grading {tree_label(root)}")
+    print(f"  tests: {', '.join(str(f.relative_to(root)) for f in files)}"
+          + (f"; tasks: {', '.join(tasks)}" if tasks else ""), flush=True)
+    extra = ["-k", args.k] if args.k else []
+    records, output = grading.run_tests(files, root, extra, tasks, verbose=args.verbose)
+    if any(r["outcome"] != "passed" for r in records) and not args.verbose:
+        print()
+        print(grading.failure_report(records))
+        print("\n(labkit grade --verbose shows full tracebacks and every rank's stack)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(grading.gradescope_results(records), indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    scores = grading.score_by_task(records)
+    print()
+    print(grading.format_table(scores))
+    print(f"graded: {tree_label(root)}")
+    return 0 if scores and all(s.score == s.max_score for s in scores) else 1
+
+
+def cmd_tasks(args, root: Path) -> int:
+    regions = workspace.exercises(root / "labkit")
+    if not regions:
+        raise RuntimeError(f"no exercises found in {root / 'labkit'}")
+    print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
+    width = max(len(r.task) for r in regions) + 2
+    for region in regions:
+        where = f"{region.path.relative_to(root)}:{region.begin + 1}"
+        print(f"{region.task:<{width}} {where:<30} {region.hint}")
+    return 0
+
+
+def cmd_workspace(args, root: Path) -> int:
+    regions = workspace.make_workspace(Path(args.dest), root=root, force=args.force)
+    tasks = sorted({r.task for r in regions})
+    print(f"learner workspace written to {args.dest}: {len(regions)} solution regions "
+          f"stubbed across {len(tasks)} tasks")
+    print(f"next: cd {args.dest} && pip install -e . && labkit tasks")
+    return 0
+
+
+def cmd_autograder(args, root: Path) -> int:
+    from labkit.course import autograder
+    bundle = autograder.make_bundle(Path(args.output), root, args.chapters, timeout=args.timeout)
+    print(f"Gradescope autograder for {', '.join(args.chapters) or 'every chapter'} "
+          f"written to {bundle} (from {tree_label(root)})")
+    return 0
+
+
+def cmd_bench(args, root: Path | None) -> int:
+    from labkit.course import bench
+    if root is not None:
+        print(f"labkit bench: the implementations of {tree_label(root)}", flush=True)
+    options = {k: v for k, v in (("repeats", args.repeats), ("world_size", args.world_size)) if v}
+    print(bench.format_table(bench.run(args.rows, **options)))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="labkit", description="Parallelism Labs tools")
+    parser.add_argument("--root", help="the course tree to use (default: the one you are in)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    grade = sub.add_parser("grade", help="run the graded tests and print points per task")
+    grade.add_argument("selection", nargs="*", metavar="chapter|task",
+                       help="chapter numbers or names (00, ddp) or task ids (ddp.bucketed); default: all")
+    grade.add_argument("--json", metavar="PATH", help="also write Gradescope's results.json here")
+    grade.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    grade.add_argument("--verbose", "-v", action="store_true", help="pytest's full output and tracebacks")
+    grade.set_defaults(run=cmd_grade)
+
+    tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
+    tasks.set_defaults(run=cmd_tasks)
+
+    ws = sub.add_parser("workspace", help="write a learner workspace with every solution stubbed")
+    ws.add_argument("dest", help="directory to create")
+    ws.add_argument("--force", action="store_true", help="replace dest if it exists")
+    ws.set_defaults(run=cmd_workspace)
+
+    ag = sub.add_parser("autograder", help="build a Gradescope autograder bundle (zip)")
+    ag.add_argument("chapters", nargs="*", help="chapters to grade (default: all)")
+    ag.add_argument("-o", "--output", default="autograder.zip", help="zip to write")
+    ag.add_argument("--timeout", type=float, default=60, help="seconds per graded launch")
+    ag.set_defaults(run=cmd_autograder)
+
+    bench = sub.add_parser("bench", help="time course implementations against PyTorch built-ins")
+    bench.add_argument("rows", nargs="*", help="rows to run (default: all)")
+    bench.add_argument("--repeats", type=int, help="timed repetitions per side")
+    bench.add_argument("--world-size", type=int, help="ranks")
+    bench.set_defaults(run=cmd_bench, outside_ok=True)
+    return parser
+
+
+def _reexec_on(root: Path, argv: list[str]) -> None:
+    """Run this command again with ``root``'s labkit first on the path (never returns)."""
+    env = dict(os.environ, **{REEXEC_ENV: str(root)})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "labkit.course.cli", *argv], env)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    root = workspace.find_course_root(Path(args.root) if args.root else None)
+    if args.root and (root is None or root != Path(args.root).resolve()):
+        print(f"labkit {args.command}: {args.root} is not a course tree "
+              "(a clone or a learner workspace: labkit/, tests/grading/, pyproject.toml)", file=sys.stderr)
+        return 2
+    if root is None and not getattr(args, "outside_ok", False):
+        print(f"labkit {args.command}: {Path.cwd()} is not inside a course tree. cd into your clone "
+              "or your learner workspace (labkit workspace DEST makes one), or pass --root PATH.",
+              file=sys.stderr)
+        return 2
+    if root is not None and workspace.package_dir().parent != root:
+        if os.environ.get(REEXEC_ENV) == str(root):
+            print(f"labkit {args.command}: could not import labkit from {root}", file=sys.stderr)
+            return 2
+        _reexec_on(root, argv)
+    try:
+        return args.run(args, root)
+    except (ValueError, FileExistsError, RuntimeError) as error:
+        print(f"labkit {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
