@@ -52,3 +52,35 @@ def assert_close(actual, expected, what: str, rtol=None, atol=None) -> None:
     problem = mismatch(actual, expected, rtol, atol)
     if problem:
         raise AssertionError(f"{what}: {problem}")
+
+
+# ----------------------------------------------------------------------------- stubs in labs
+
+
+def not_implemented(error: BaseException) -> str | None:
+    """"not implemented yet: <task>" if ``error`` comes from an exercise stub (raised here
+    or on a rank of a launch), else None."""
+    from labkit.launch import WorkerError
+    if isinstance(error, NotImplementedError):
+        message = str(error)
+    elif isinstance(error, WorkerError) and error.exc_type == "NotImplementedError":
+        message = error.message
+    else:
+        return None
+    return f"not implemented yet: {message.split(':')[0]}"
+
+
+def attempt(fn, *args, **kwargs):
+    """``(fn(*args, **kwargs), None)``, or ``(None, "not implemented yet: <task>")`` while
+    the code it runs hits a stub, so that a lab section can say so and the notebook go on::
+
+        sweep, missing = attempt(labkit.launch, sweep_on_rank, 2)
+        print(missing or table(sweep))
+    """
+    try:
+        return fn(*args, **kwargs), None
+    except Exception as error:  # noqa: BLE001 - re-raised unless it is a stub's
+        missing = not_implemented(error)
+        if missing is None:
+            raise
+        return None, missing

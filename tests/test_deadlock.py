@@ -175,14 +175,14 @@ def test_the_diagnosis_reads_the_stacks_when_the_journal_is_silent():
     stack = ('Stack (most recent call first):\n'
              '  File "/x/site-packages/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
              '  File "/x/site-packages/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
-             '  File "/home/me/labkit/ddp.py", line 241 in _add_to_bucket\n')
+             '  File "/home/me/train/step.py", line 241 in _add_to_bucket\n')
     waiting = deadlock.Snapshot(0, False, "", stack)
     done = deadlock.Snapshot(1, True)
-    assert waiting.in_communication and waiting.where == "ddp.py:241" and waiting.wait == "all_reduce"
+    assert waiting.in_communication and waiting.where == "step.py:241" and waiting.wait == "all_reduce"
     sleeping = deadlock.Snapshot(0, False, "", 'Stack:\n  File "/home/me/lab.py", line 3 in main\n')
     assert not sleeping.in_communication
     line = deadlock.diagnosis([waiting, done], 3.14)
-    assert line.startswith("deadlock after 3.1 s: rank 0 waits in all_reduce at ddp.py:241; "
+    assert line.startswith("deadlock after 3.1 s: rank 0 waits in all_reduce at step.py:241; "
                            "rank 1 finished and waits for the others"), line
 
 

@@ -3,13 +3,15 @@ with a failure that names it, and the infrastructure tests green in both trees."
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from labkit.course import workspace
+from labkit.course import grading, workspace
 from tests.conftest import needs_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +33,8 @@ def student(tmp_path_factory) -> Path:
     return dest
 
 
-def graded(tree: Path, results: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = run_in(tree, "-m", "labkit.course.cli", "grade", "--json", str(results))
+def graded(tree: Path, results: Path, *chapters: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = run_in(tree, "-m", "labkit.course.cli", "grade", *chapters, "--json", str(results))
     assert results.exists(), proc.stdout + proc.stderr
     return proc, json.loads(results.read_text())
 
@@ -120,8 +122,78 @@ def test_one_task_can_be_graded_and_tasks_list_file_line_and_hint(student):
     assert "collectives.all_gather" not in table, table
 
 
+EXERCISE_USE = re.compile(r"labkit[./](?:" + "|".join(grading.CHAPTERS.values()) + r")\b"
+                          r"|from labkit import [^\n]*\b(?:" + "|".join(grading.CHAPTERS.values()) + r")\b"
+                          r"|labkit\.course\.bench|course import bench|needs_solutions")
+
+
 def test_the_infrastructure_tests_pass_in_the_workspace(student):
-    proc = run_in(student, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                  "--ignore=tests/grading", "--deselect=tests/test_workspace.py")
+    """In a workspace the tests that need solutions skip and the rest pass. Only the test
+    files that touch exercise code (or say they need it) can behave differently there; the
+    others (the launcher's, say) are identical code on identical infrastructure, so they
+    are not run twice."""
+    files = sorted(p for p in (ROOT / "tests").glob("test_*.py") if p.name != "test_workspace.py")
+    touching = [p.name for p in files if EXERCISE_USE.search(p.read_text())]
+    assert "test_bench.py" in touching and "test_launch.py" not in touching, touching
+    proc = run_in(student, "-m", "pytest", *[f"tests/{name}" for name in touching], "-q",
+                  "-p", "no:cacheprovider", "-o", "addopts=")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" in proc.stdout, proc.stdout[-2000:]
+
+
+def lab_notebooks() -> list[str]:
+    return sorted(p.name for p in (ROOT / "labs").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("lab", lab_notebooks())
+def test_every_lab_runs_on_the_stubs_and_says_what_is_missing(student, lab):
+    """A learner opens a lab before writing any code: every section must say which task is
+    not implemented and the notebook must go on to the end, without an error."""
+    import nbformat
+    from nbclient import NotebookClient
+    path = student / "labs" / lab
+    notebook = nbformat.read(path, as_version=4)
+    env_before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(student)  # the kernel imports the workspace's labkit
+    try:
+        NotebookClient(notebook, timeout=600, kernel_name="python3",
+                       resources={"metadata": {"path": str(path.parent)}}).execute()
+    finally:
+        if env_before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = env_before
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, f"{lab} stopped at {errors[0].ename}: {errors[0].evalue}"
+    text = "\n".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "not implemented" in text, f"{lab} never says which task is missing"
+
+
+def test_a_deadlocking_ring_grades_in_seconds_with_every_wait_named(tmp_path):
+    """The classic ring deadlock (every rank does a blocking recv before its send) in the
+    all-gather, the other two tasks solved: chapter 00 grades in well under a minute, every
+    hung test named as a deadlock with each rank's wait, its other world sizes not re-run."""
+    tree = tmp_path / "workspace"
+    proc = run_in(ROOT, "-m", "labkit.course.cli", "workspace", str(tree))
+    assert proc.returncode == 0, proc.stderr
+    source = (ROOT / "labkit" / "collectives.py").read_text()
+    exchange = "        exchange(chunks[(me - step) % n], chunks[(me - step - 1) % n], to_rank, from_rank)\n"
+    assert exchange in source
+    (tree / "labkit" / "collectives.py").write_text(source.replace(exchange, (
+        "        dist.recv(chunks[(me - step - 1) % n], src=from_rank)  # every rank waits first\n"
+        "        dist.send(chunks[(me - step) % n], dst=to_rank)\n")))
+    start = time.monotonic()
+    proc, results = graded(tree, tmp_path / "results.json", "collectives")
+    elapsed = time.monotonic() - start
+    assert elapsed < 60, f"grading took {elapsed:.0f} s"
+    outputs = {t["name"].split("::")[-1]: t["output"] for t in results["tests"]}
+    assert results["score"] == 6, proc.stdout  # reduce-scatter 4/4, all-gather 1/4, all-reduce 1/5
+    deadlocked = [name for name, out in outputs.items() if "deadlock after" in out]
+    assert sorted(deadlocked) == ["test_all_gather[2]", "test_all_reduce[2]", "test_all_reduce_on_a_subgroup"], outputs
+    for name in deadlocked:
+        waits = re.findall(r"rank \d waits in (?:wait for i)?recv from rank \d of \(\d+,\) \w+ at collectives\.py:\d+",
+                           outputs[name])
+        assert len(waits) >= 2, outputs[name]
+    for size in (3, 4):
+        assert "skipped: deadlocked at world size 2" in outputs[f"test_all_gather[{size}]"]

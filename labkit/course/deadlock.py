@@ -217,7 +217,7 @@ class Snapshot:
         """file:line of the innermost frame outside torch: the learner's line."""
         for file, line, _ in self.frames:
             if "/torch/" not in file:
-                return f"{os.path.basename(file)}:{line}"
+                return location(file, line)
         return "?"
 
     @property
@@ -236,6 +236,14 @@ class Snapshot:
 
 
 FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+NOTEBOOK_CELL = re.compile(r"/ipykernel_\d+/\d+\.py$")  # where IPython keeps a cell's code
+
+
+def location(file: str, line: int) -> str:
+    """'collectives.py:85', or 'a notebook cell, line 10' for code defined in a cell."""
+    if NOTEBOOK_CELL.search(file):
+        return f"line {line} of a notebook cell"
+    return f"{os.path.basename(file)}:{line}"
 
 
 def cpu_ns(pid: int) -> tuple[int, bool] | None:

@@ -105,10 +105,10 @@ def run_graded(task_id: str, fn, world_size: int, *args, timeout: float = 60, **
 
 def _innermost(stack: str) -> str:
     """'file.py:12 in fn' for the innermost frame outside torch, or the stack's own note."""
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', stack)
-    for file, line, fn in frames:
+    from labkit.course.deadlock import FRAME, location
+    for file, line, fn in FRAME.findall(stack):
         if "/torch/" not in file:
-            return f"{os.path.basename(file)}:{line} in {fn}"
+            return f"{location(file, int(line))} in {fn}"
     return stack.strip().strip("()") or "?"
 
 

@@ -1,0 +1,104 @@
+"""The Gradescope bundle, end to end: ``labkit autograder 00`` is unpacked into a simulated
+``/autograder`` layout and ``run_autograder`` grades four submissions: the reference (full
+marks), the stubs (zero), one whose all-gather hangs and one whose reduce-scatter kills its
+rank. The last two lose exactly the tests that use the broken function, within the time
+limit per launch, and every run writes ``results/results.json``.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import needs_solutions
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 4  # seconds per graded launch in this bundle: a hang costs that, once per test
+
+pytestmark = needs_solutions  # the bundle is built from the reference solutions
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle") / "autograder.zip"
+    proc = subprocess.run([sys.executable, "-m", "labkit.course.cli", "autograder", "00", "-o", str(out),
+                           "--timeout", str(LIMIT)], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_the_bundle_has_what_gradescope_expects_and_no_solutions(bundle):
+    with zipfile.ZipFile(bundle) as z:
+        names = set(z.namelist())
+        assert {"setup.sh", "run_autograder", "autograder.json", "labkit/collectives.py",
+                "tests/grading/test_collectives.py", ".labkit-workspace"} <= names
+        assert z.getinfo("run_autograder").external_attr >> 16 & 0o111, "run_autograder must be executable"
+        assert json.loads(z.read("autograder.json")) == {"chapters": ["collectives"], "timeout": LIMIT}
+        exercises = [n for n in names if re.fullmatch(r"labkit/\w+\.py", n) and b"NotImplementedError(" in z.read(n)]
+        assert "labkit/collectives.py" in exercises
+        for name in exercises:
+            assert b"# BEGIN SOLUTION" not in z.read(name), f"{name} carries a reference solution"
+
+
+def reference_source() -> str:
+    return (ROOT / "labkit" / "collectives.py").read_text()
+
+
+def submissions() -> dict[str, tuple[str, str]]:
+    """name -> (contents of collectives.py, where in the submission it goes)."""
+    reference = reference_source()
+    hang = reference.replace(
+        "    chunks = output.view(n, -1)  # a view",
+        "    import time; time.sleep(3600)  # hangs, and not in communication: only the timeout sees it\n"
+        "    chunks = output.view(n, -1)  # a view")
+    kill = reference.replace(
+        "    chunks = input.reshape(n, -1)\n",
+        "    chunks = input.reshape(n, -1)\n    import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert hang != reference and kill != reference
+    return {"reference": (reference, "labkit/collectives.py"), "stub": (None, "collectives.py"),
+            "hang": (hang, "labkit/collectives.py"), "kill": (kill, "my files/collectives.py")}
+
+
+# (score, tests that must fail): 13 points in chapter 00, one per test.
+EXPECTED = {"reference": (13, set()), "stub": (0, {"reduce_scatter", "all_gather", "all_reduce"}),
+            "hang": (4, {"all_gather", "all_reduce"}), "kill": (4, {"reduce_scatter", "all_reduce"})}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_run_autograder_scores_a_submission(bundle, tmp_path, name):
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(bundle) as z:
+        z.extractall(root / "source")
+    contents, where = submissions()[name]
+    if contents is None:  # the stub as released
+        contents = (root / "source" / "labkit" / "collectives.py").read_text()
+    target = root / "submission" / where
+    target.parent.mkdir(parents=True)
+    target.write_text(contents)
+    env = dict(os.environ, AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=sys.executable)
+    env.pop("PYTHONPATH", None)
+    start = time.monotonic()
+    proc = subprocess.run(["bash", str(root / "source" / "run_autograder")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    results_file = root / "results" / "results.json"
+    assert results_file.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(results_file.read_text())
+    score, failing = EXPECTED[name]
+    assert (results["score"], results["max_score"]) == (score, 13), results.get("output")
+    failed = {re.search(r"collectives\.(\w+)", t["name"])[1] for t in results["tests"] if t["score"] == 0}
+    assert failed == failing, [t["name"] for t in results["tests"] if t["score"] == 0]
+    if name == "hang":  # three hung tests, each cut at the limit; the others skip their repeats
+        assert elapsed < 3 * LIMIT + 60, elapsed
+        hung = [t for t in results["tests"] if "no result within" in t["output"]]
+        assert len(hung) == 3, [t["output"][:200] for t in results["tests"]]
+        assert any("skipped: hung at world size 1" in t["output"] for t in results["tests"])
+    if name == "kill":
+        assert any("killed by signal 9" in t["output"] for t in results["tests"]), results
