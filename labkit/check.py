@@ -84,3 +84,21 @@ def attempt(fn, *args, **kwargs):
         if missing is None:
             raise
         return None, missing
+
+
+# ----------------------------------------------------------------------------- verdicts
+
+
+VERDICT = "[verdict]"  # tests/test_notebooks.py reads these lines in the saved notebooks
+
+
+def verdict(claim: str, holds: bool, evidence: str = "") -> bool:
+    """Print a machine-checkable line for a conclusion a notebook draws from its own numbers:
+    ``[verdict] ok: <claim> (<evidence>)`` or ``[verdict] FAILED: <claim> (<evidence>)``.
+
+    The prose around it may then rely on the claim: the test suite fails if a saved notebook
+    holds a FAILED verdict, so text and numbers cannot silently disagree. Returns ``holds``.
+    """
+    status = "ok" if holds else "FAILED"
+    print(f"{VERDICT} {status}: {claim}" + (f" ({evidence})" if evidence else ""))
+    return holds

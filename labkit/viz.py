@@ -9,10 +9,13 @@ A script can ``fig.savefig(...)`` under any backend (Agg too) and ``plt.close(fi
 
 from __future__ import annotations
 
+import io
 import math
+import threading
 
 import matplotlib
 import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Rectangle
 
@@ -183,3 +186,48 @@ def plot_timeline(spans, title: str = "", colors: dict | None = None, lanes: dic
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- widgets
+
+# Widget callbacks may run on a thread of their own (JupyterLab 4.6's comms over kernel
+# subshells), while the notebook's main thread draws too; matplotlib's text rendering
+# (mathtext, FreeType) is not thread-safe. So a widget's figure never touches pyplot's
+# global state (a fresh ``Figure`` per draw) and every widget draws under one lock.
+DRAW_LOCK = threading.RLock()
+
+
+def figure_png(fig, dpi: int = 100) -> bytes:
+    """PNG bytes of ``fig`` (a ``matplotlib.figure.Figure``), drawn under ``DRAW_LOCK``."""
+    buffer = io.BytesIO()
+    with DRAW_LOCK:
+        FigureCanvasAgg(fig)
+        fig.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def interactive_figure(draw, controls: dict, figsize=(7, 3.5)):
+    """A widget: ``controls`` (name -> ipywidgets control) above a figure and a line of text.
+
+    On every change ``draw(fig, **values)`` fills a fresh ``Figure`` (use ``fig.subplots()``,
+    never pyplot) and returns a short text (HTML allowed) shown under it. The first draw
+    happens here, with the controls' initial values. Returns the ``ipywidgets.VBox``.
+    """
+    import ipywidgets as widgets
+    from matplotlib.figure import Figure
+
+    image = widgets.Image(format="png")
+    text = widgets.HTML()
+
+    def update(change=None):
+        values = {name: control.value for name, control in controls.items()}
+        fig = Figure(figsize=figsize)
+        with DRAW_LOCK:
+            text.value = draw(fig, **values) or ""
+            image.value = figure_png(fig)
+
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()
+    return widgets.VBox([widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")),
+                         image, text])

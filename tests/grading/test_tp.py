@@ -1,0 +1,382 @@
+"""Graded tests for chapter 05: tensor parallelism (labkit/tp.py).
+
+Every check runs on every rank at tensor-parallel degrees 1-4, in float64, against the
+unsharded module in one process: outputs, input gradients, and the weight gradients
+gathered from every rank's slice. The whole tensor-parallel GPT trains 5 AdamW steps next
+to the single-process GPT (tied and untied head), and next to the same GPT parallelised
+with PyTorch's ``parallelize_module``. The tracer checks the behaviour: f and g
+communicate in the right direction only, each transformer block issues exactly 2
+all-reduces of B·T·H numbers forward and 2 backward, and the vocabulary-parallel loss
+sends B·T numbers per reduction, never the B·T·V logits. The GPT's shape divides by 3 and 4.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.check import assert_close
+from labkit.comm import CommTracer
+from labkit.course.grading import run_graded, task
+
+WORLD_SIZES = [1, 2, 3, 4]
+B, T = 3, 8
+STEPS = 5
+
+
+def config(**changes):
+    from labkit.models import GPTConfig
+    shape = dict(vocab_size=48, block_size=T, n_layer=2, n_head=12, n_embd=48)
+    return GPTConfig(**(shape | changes))
+
+
+def setup():
+    torch.set_num_threads(1)  # tiny models: a second thread per rank only competes for the cores
+    return dist.get_world_size(), dist.get_rank()
+
+
+def seeded(*shape, seed, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+
+
+def gathered(local: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+    """The full tensor from every rank's slice (test-side: does not use the learner's code)."""
+    from labkit.tp import unshard
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, local.detach().contiguous())
+    return unshard(pieces, dim, parts)
+
+
+def check(task_id, what, actual, expected):
+    assert_close(actual, expected, f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
+
+
+def all_reduces(tracer, backward: bool) -> list[int]:
+    """Elements per all-reduce issued in forward (or backward), in order."""
+    return [e.bytes // 8 for e in tracer.events if e.kind == "all_reduce" and e.in_backward == backward]
+
+
+# ----------------------------------------------------------------------------- f and g
+
+
+def f_g_on_rank():
+    from labkit.tp import copy_to_parallel, reduce_from_parallel
+    n, rank = setup()
+    x = seeded(B, T, 6, seed=1, requires_grad=True)
+    upstream = [seeded(B, T, 6, seed=10 + r) for r in range(n)]
+    with CommTracer() as fwd:
+        y = copy_to_parallel(x)
+    check("tp.f_g", "f forward is the identity", y, x.detach())
+    with CommTracer() as bwd:
+        y.backward(upstream[rank])
+    check("tp.f_g", "f backward sums the ranks' gradients", x.grad, sum(upstream))
+    assert not fwd.events and len(all_reduces(bwd, True)) == 1, \
+        f"tp.f_g: f must communicate only in backward (one all-reduce); traced {fwd.summary()} / {bwd.summary()}"
+
+    parts = [seeded(B, T, 6, seed=20 + r) for r in range(n)]
+    mine = parts[rank].clone().requires_grad_()
+    with CommTracer() as fwd:
+        z = reduce_from_parallel(mine)
+    check("tp.f_g", "g forward sums the ranks' partial results", z, sum(parts))
+    with CommTracer() as bwd:
+        z.backward(upstream[0])
+    check("tp.f_g", "g backward is the identity", mine.grad, upstream[0])
+    assert len(all_reduces(fwd, False)) == 1 and not all_reduces(bwd, True), \
+        f"tp.f_g: g must all-reduce once in forward and never in backward; traced {fwd.summary()} / {bwd.summary()}"
+
+
+@task("tp.f_g", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_f_and_g(world_size):
+    run_graded("tp.f_g", f_g_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+
+def column_on_rank():
+    from labkit.tp import ColumnParallelLinear
+    n, rank = setup()
+    full = nn.Linear(12, 24).double()
+    with torch.no_grad():
+        full.weight.copy_(seeded(24, 12, seed=2))
+        full.bias.copy_(seeded(24, seed=3))
+    x_ref, x = seeded(B, T, 12, seed=4, requires_grad=True), seeded(B, T, 12, seed=4, requires_grad=True)
+    weights = seeded(B, T, 24, seed=5)  # loss = sum(y * weights): every output counts
+    y_ref = full(x_ref)
+    (y_ref * weights).sum().backward()
+    for gather_output in (False, True):
+        layer = ColumnParallelLinear.from_linear(full, gather_output=gather_output)
+        x.grad = None
+        y = layer(x)
+        what = f"gather_output={gather_output}"
+        if gather_output:
+            check("tp.column", f"{what}: output", y, y_ref.detach())
+            (y * weights).sum().backward()
+        else:
+            check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
+            (y * weights.chunk(n, -1)[rank]).sum().backward()
+        check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
+        check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0), full.weight.grad)
+        check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0), full.bias.grad)
+
+
+def row_on_rank():
+    from labkit.tp import RowParallelLinear
+    n, rank = setup()
+    full = nn.Linear(24, 12).double()
+    with torch.no_grad():
+        full.weight.copy_(seeded(12, 24, seed=6))
+        full.bias.copy_(seeded(12, seed=7))
+    x_ref = seeded(B, T, 24, seed=8, requires_grad=True)
+    weights = seeded(B, T, 12, seed=9)
+    y_ref = full(x_ref)
+    (y_ref * weights).sum().backward()
+    for input_is_parallel in (True, False):
+        layer = RowParallelLinear.from_linear(full, input_is_parallel=input_is_parallel)
+        x = seeded(B, T, 24, seed=8)
+        x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
+        y = layer(x)
+        what = f"input_is_parallel={input_is_parallel}"
+        check("tp.row", f"{what}: output", y, y_ref.detach())
+        (y * weights).sum().backward()
+        expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
+        check("tp.row", f"{what}: input gradient", x.grad, expected)
+        check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1), full.weight.grad)
+        check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
+
+
+@task("tp.column", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_column_parallel_linear(world_size):
+    run_graded("tp.column", column_on_rank, world_size)
+
+
+@task("tp.row", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_row_parallel_linear(world_size):
+    run_graded("tp.row", row_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def block_part_on_rank(kind: str):
+    """MLP or attention of the GPT, parallel vs whole: outputs, gradients, traffic."""
+    from labkit.models import GPT
+    from labkit.tp import ParallelMLP, ParallelSelfAttention
+    n, rank = setup()
+    task_id = f"tp.{kind}"
+    ref_block, block = GPT(config()).double().blocks[0], GPT(config()).double().blocks[0]
+    ref = ref_block.mlp if kind == "mlp" else ref_block.attn
+    part = ParallelMLP(block.mlp) if kind == "mlp" else ParallelSelfAttention(block.attn)
+    x_ref, x = seeded(B, T, 48, seed=11, requires_grad=True), seeded(B, T, 48, seed=11, requires_grad=True)
+    weights = seeded(B, T, 48, seed=12)
+    (ref(x_ref) * weights).sum().backward()
+    with CommTracer() as fwd:
+        y = part(x)
+    check(task_id, "output", y, ref(x_ref.detach()).detach())
+    with CommTracer() as bwd:
+        (y * weights).sum().backward()
+    check(task_id, "input gradient", x.grad, x_ref.grad)
+    layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
+    for name in layers:
+        mine, theirs = getattr(part, name), getattr(ref, name)
+        dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
+        check(task_id, f"{name}.weight gradient, gathered", gathered(mine.weight.grad, dim, parts), theirs.weight.grad)
+        bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts)
+        check(task_id, f"{name}.bias gradient", bias, theirs.bias.grad)
+    if n > 1:
+        bth = B * T * 48
+        assert all_reduces(fwd, False) == [bth] and all_reduces(bwd, True) == [bth], \
+            (f"{task_id}: expected one all-reduce of B*T*H = {bth} numbers in forward (g) and one in "
+             f"backward (f); traced forward {all_reduces(fwd, False)}, backward {all_reduces(bwd, True)}")
+    unsharded = sum(p.numel() for p in ref.parameters())
+    replicated = ref.c_proj.bias.numel()
+    assert sum(p.numel() for p in part.parameters()) == (unsharded - replicated) // n + replicated, \
+        f"{task_id}: rank {rank} holds {sum(p.numel() for p in part.parameters())} parameters; expected 1/{n} of the split ones"
+
+
+@task("tp.mlp", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parallel_mlp(world_size):
+    run_graded("tp.mlp", block_part_on_rank, world_size, "mlp")
+
+
+@task("tp.attention", points=1.5)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_parallel_attention(world_size):
+    run_graded("tp.attention", block_part_on_rank, world_size, "attention")
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def vocab_on_rank():
+    from labkit.tp import VocabParallelEmbedding, vocab_parallel_cross_entropy
+    n, rank = setup()
+    V = 48
+    table = nn.Embedding(V, 16).double()
+    with torch.no_grad():
+        table.weight.copy_(seeded(V, 16, seed=13))
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(14))
+    emb = VocabParallelEmbedding.from_embedding(table)
+    weights = seeded(B, T, 16, seed=15)
+    check("tp.vocab", "embedding lookup", emb(idx), table(idx).detach())
+    (emb(idx) * weights).sum().backward()
+    (table(idx) * weights).sum().backward()
+    check("tp.vocab", "embedding weight gradient, gathered", gathered(emb.weight.grad, 0), table.weight.grad)
+
+    logits_ref = seeded(B, T, V, seed=16, requires_grad=True)
+    local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
+    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(17))
+    expected = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
+    expected.backward()
+    with CommTracer() as tracer:
+        loss = vocab_parallel_cross_entropy(local, targets)
+        loss.backward()
+    check("tp.vocab", "vocabulary-parallel cross-entropy", loss.detach(), expected.detach())
+    check("tp.vocab", "gradient of this rank's logits", local.grad, logits_ref.grad.chunk(n, -1)[rank])
+    if n > 1:
+        sizes = [e.bytes // 8 for e in tracer.events]
+        assert tracer.kinds() <= {"all_reduce"} and sizes == [B * T] * 3, \
+            (f"tp.vocab: the loss must reduce B*T = {B * T} numbers three times (max, sum of exp, target "
+             f"logit) and never move the logits; traced {tracer.summary()} with sizes {sizes}")
+
+
+@task("tp.vocab", points=1.5)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_vocab_parallel_embedding_and_loss(world_size):
+    run_graded("tp.vocab", vocab_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def tokens(step: int):
+    from labkit.data import markov_tokens
+    x, y = markov_tokens(B * STEPS, T, 48, seed=5)
+    return x[step * B:(step + 1) * B], y[step * B:(step + 1) * B]
+
+
+def gpt_on_rank(tie: bool):
+    """The TP GPT vs the single-process GPT: loss every step, gradients of step 0, weights
+    after 5 AdamW steps (gathered with the learner's full_state_dict), the traffic of a step."""
+    from labkit.models import GPT
+    from labkit.tp import full_state_dict, tensor_parallel
+    n, rank = setup()
+    ref = GPT(config(tie_weights=tie)).double()
+    model = tensor_parallel(GPT(config(tie_weights=tie)).double())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    L, bth = ref.config.n_layer, B * T * ref.config.n_embd
+    losses = []
+    for step in range(STEPS):
+        x, y = tokens(step)
+        loss_ref = ref(x, y)[1]
+        loss_ref.backward()
+        with CommTracer() as fwd:
+            logits, loss = model(x, y)
+        with CommTracer() as bwd:
+            loss.backward()
+        what = f"tie_weights={tie}, step {step}"
+        check("tp.model", f"{what}: loss", loss.detach(), loss_ref.detach())
+        assert logits.shape == (B, T, 48 // n), f"tp.model: logits of rank {rank} are {tuple(logits.shape)}; expected this rank's vocabulary slice"
+        if step == 0:
+            grads = full_state_dict(model, grads=True)
+            for name, p in ref.named_parameters():
+                check("tp.model", f"{what}: gradient of {name}, gathered", grads[name], p.grad)
+            if n > 1:  # embedding g, then 2 per block, then the loss's 3; backward: head f, 2 per block
+                assert all_reduces(fwd, False) == [bth] * (1 + 2 * L) + [B * T] * 3, \
+                    f"tp.model: forward all-reduces (numbers each) {all_reduces(fwd, False)}; expected {[bth] * (1 + 2 * L) + [B * T] * 3}"
+                assert all_reduces(bwd, True) == [bth] * (1 + 2 * L), \
+                    f"tp.model: backward all-reduces {all_reduces(bwd, True)}; expected {[bth] * (1 + 2 * L)}"
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+    state, expected = full_state_dict(model), ref.state_dict()
+    assert set(state) == set(expected), f"tp.model: full_state_dict keys differ: {set(state) ^ set(expected)}"
+    for name, value in expected.items():
+        check("tp.model", f"tie_weights={tie}: {name} after {STEPS} steps", state[name], value)
+    return losses
+
+
+def bad_shapes_on_rank():
+    from labkit.models import GPT
+    from labkit.tp import ColumnParallelLinear, RowParallelLinear, tensor_parallel
+    n = dist.get_world_size()
+    cases = [(lambda: tensor_parallel(GPT(config(n_head=6, n_embd=48))), "n_head"),
+             (lambda: tensor_parallel(GPT(config(vocab_size=50))), "vocab_size"),
+             (lambda: ColumnParallelLinear(8, 10), "out_features"),
+             (lambda: RowParallelLinear(10, 8), "in_features")]
+    for make, word in cases:
+        with CommTracer() as tracer:
+            try:
+                make()
+            except ValueError as error:
+                assert word in str(error) and str(n) in str(error), f"tp.model: the error does not name {word}: {error}"
+            else:
+                raise AssertionError(f"tp.model: a shape with {word} not divisible by {n} was accepted")
+        assert not tracer.events, f"tp.model: communicated before refusing a bad {word}: {tracer.summary()}"
+    # ... and the shape that does divide is accepted, and computes the single process's loss.
+    x, y = tokens(0)
+    expected = GPT(config()).double()(x, y)[1]
+    check("tp.model", "loss of a valid shape", tensor_parallel(GPT(config()).double())(x, y)[1].detach(),
+          expected.detach())
+
+
+@task("tp.model", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_tensor_parallel_gpt_trains_like_the_single_process_gpt(world_size):
+    run_graded("tp.model", gpt_on_rank, world_size, True)
+
+
+@task("tp.model", points=2)
+def test_bad_shapes_are_refused_before_any_communication():
+    run_graded("tp.model", bad_shapes_on_rank, 4)
+
+
+def builtin_on_rank():
+    """The same (untied) GPT parallelised by torch's parallelize_module; its loss curve."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                                   parallelize_module)
+    from labkit.models import GPT
+    from labkit.tp import shard
+    n, rank = setup()
+    model = GPT(config(tie_weights=False)).double()
+    with torch.no_grad():  # c_attn's rows as [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...], so that torch's
+        for block in model.blocks:  # contiguous split gives each rank its own heads
+            w, b = block.attn.c_attn.weight, block.attn.c_attn.bias
+            w.copy_(torch.cat([shard(w, 0, r, n, parts=3) for r in range(n)]))
+            b.copy_(torch.cat([shard(b, 0, r, n, parts=3) for r in range(n)]))
+    mesh = init_device_mesh("cpu", (n,))
+    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(model.blocks)):
+        plan |= {f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
+                 f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()}
+    parallelize_module(model, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        with loss_parallel():
+            loss = model(*tokens(step))[1]
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item() if hasattr(loss, "full_tensor") else loss.item())
+    return losses
+
+
+@task("tp.model", points=2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_untied_head_matches_single_process_and_parallelize_module(world_size):
+    ours = run_graded("tp.model", gpt_on_rank, world_size, False)[0]
+    builtin = run_graded("tp.model", builtin_on_rank, world_size)[0]
+    assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(builtin, dtype=torch.float64),
+                 f"tp.model: world size {world_size}: your loss curve vs parallelize_module's")
