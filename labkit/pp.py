@@ -112,6 +112,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.first, self.last = first, last
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in blocks)
+        self.hidden_size = gpt.config.n_embd  # the activation between stages: [B, T, hidden_size]
         self.wte = gpt.wte if first else None
         self.wpe = gpt.wpe if first else None
         self.ln_f = gpt.ln_f if last else None
@@ -446,17 +447,20 @@ class Trace:
 class PipelineRunner:
     """Runs this rank's actions of one training step.
 
-    ``stages``: {global stage index: StageModule} held by this rank; ``num_stages``: all of
+    ``stages``: {global stage index: stage module} held by this rank; ``num_stages``: all of
     them; ``deferred_weights=True`` for schedules with W actions. ``step`` returns the step's
-    loss on the rank of the last stage (None elsewhere) and a ``Trace``."""
+    loss on the rank of the last stage (None elsewhere) and a ``Trace``. A stage module is a
+    ``StageModule`` or anything like it: ``forward`` (token ids in on the first stage, logits
+    out of the last), ``hidden_size`` (activations between stages are [B, T, hidden_size]),
+    and optionally ``tied``/``tied_weight()``."""
 
     def __init__(self, stages: dict[int, StageModule], num_stages: int, *, deferred_weights: bool = False):
         self.stages, self.num_stages = stages, num_stages
         self.num_ranks = dist.get_world_size()
         self.deferred = {s: DeferredWeights(m) for s, m in stages.items()} if deferred_weights else {}
-        self.tied = [w for w in (m.tied_weight() for m in stages.values()) if w is not None]
+        self.tied = [w for m in stages.values() if (w := getattr(m, "tied_weight", lambda: None)()) is not None]
         ends = sorted({rank_of_stage(0, self.num_ranks), rank_of_stage(num_stages - 1, self.num_ranks)})
-        tied_model = any(m.tied for m in stages.values())
+        tied_model = any(getattr(m, "tied", False) for m in stages.values())
         # Every rank takes part in making a group, even those outside it.
         self.tied_group = dist.new_group(ends) if tied_model and len(ends) == 2 else None
 
@@ -480,7 +484,7 @@ class PipelineRunner:
                 if s == 0:
                     x = micro_inputs[i]
                 else:
-                    shape = (*micro_inputs[i].shape, self._hidden())
+                    shape = (*micro_inputs[i].shape[:2], stage.hidden_size)
                     x = recv_forward(shape, self._dtype(stage), i, s, self.num_ranks).requires_grad_()
                 if s in self.deferred:
                     self.deferred[s].current = pending_w.setdefault((i, s), [])
@@ -516,10 +520,6 @@ class PipelineRunner:
             for weight in self.tied:
                 dist.all_reduce(weight.grad, group=self.tied_group)
         return total_loss, trace
-
-    def _hidden(self) -> int:
-        stage = next(iter(self.stages.values()))
-        return stage.blocks[0].ln_1.normalized_shape[0]
 
     @staticmethod
     def _dtype(stage: nn.Module) -> torch.dtype:
