@@ -36,8 +36,8 @@ rank r gets [Q_r; K_r; V_r], its own heads. Every parallel module keeps ``tp_lay
 
 Tasks (run ``labkit grade tp``; tests in ``tests/grading/test_tp.py``):
     tp.f_g        CopyToParallel, ReduceFromParallel (forward and backward)
-    tp.column     ColumnParallelLinear.forward
-    tp.row        RowParallelLinear.forward
+    tp.column     ColumnParallelLinear.forward (its f is ``self.input_op``)
+    tp.row        RowParallelLinear.forward (its g is ``self.output_op``)
     tp.mlp        ParallelMLP (__init__, forward)
     tp.attention  ParallelSelfAttention (__init__, forward)
     tp.vocab      VocabParallelEmbedding.forward, VocabParallelCrossEntropy (forward, backward)
@@ -207,6 +207,8 @@ class ColumnParallelLinear(nn.Module):
         full = full if full is not None else seeded_linear(in_features, out_features, bias, seed)
         self.group, self.gather_output = group, gather_output
         self.in_features, self.out_features = in_features, out_features
+        # f by default; sequence parallelism (chapter 07) puts an all-gather of the sequence here
+        self.input_op = copy_to_parallel
         self.weight = nn.Parameter(shard(full.weight, 0, rank, world, parts))
         self.bias = nn.Parameter(shard(full.bias, 0, rank, world, parts)) if bias else None
         self.tp_layout = {"weight": (0, parts), "bias": (0, parts)}
@@ -217,8 +219,8 @@ class ColumnParallelLinear(nn.Module):
                    full=linear, **kwargs)
 
     def forward(self, x):
-        # BEGIN SOLUTION tp.column: f (copy_to_parallel) on x, then F.linear with your slice; gather_from_parallel if gather_output
-        x = copy_to_parallel(x, self.group)  # backward: the input's gradient summed over ranks
+        # BEGIN SOLUTION tp.column: self.input_op (f, copy_to_parallel by default) on x, then F.linear with your slice; gather_from_parallel if gather_output
+        x = self.input_op(x, self.group)  # f: backward sums the input's gradient over ranks
         y = F.linear(x, self.weight, self.bias)  # [.., out/N]: this rank's output features
         return gather_from_parallel(y, self.group) if self.gather_output else y
         # END SOLUTION
@@ -238,6 +240,8 @@ class RowParallelLinear(nn.Module):
         full = full if full is not None else seeded_linear(in_features, out_features, bias, seed)
         self.group, self.input_is_parallel = group, input_is_parallel
         self.in_features, self.out_features = in_features, out_features
+        # g by default; sequence parallelism (chapter 07) puts a reduce-scatter of the sequence here
+        self.output_op = reduce_from_parallel
         self.weight = nn.Parameter(shard(full.weight, 1, rank, world))
         self.bias = nn.Parameter(full.bias.detach().clone()) if bias else None  # replicated
         self.tp_layout = {"weight": (1, 1)}
@@ -248,10 +252,10 @@ class RowParallelLinear(nn.Module):
                    full=linear, **kwargs)
 
     def forward(self, x):
-        # BEGIN SOLUTION tp.row: scatter x unless input_is_parallel; F.linear without bias; g (reduce_from_parallel); then add the bias once
+        # BEGIN SOLUTION tp.row: scatter x unless input_is_parallel; F.linear without bias; self.output_op (g, reduce_from_parallel by default); then add the bias once
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)
-        y = reduce_from_parallel(F.linear(x, self.weight), self.group)  # sum of partial products
+        y = self.output_op(F.linear(x, self.weight), self.group)  # g: the partial products summed
         return y + self.bias if self.bias is not None else y
         # END SOLUTION
 
@@ -345,11 +349,12 @@ class VocabParallelHead(nn.Module):
     def __init__(self, embedding: VocabParallelEmbedding):
         super().__init__()
         self.group = embedding.group
+        self.input_op = copy_to_parallel  # f (chapter 07 swaps in a sequence all-gather)
         self.weight = embedding.weight  # the same Parameter: tied, split the same way
         self.tp_layout = {"weight": (0, 1)}
 
     def forward(self, x):
-        return F.linear(copy_to_parallel(x, self.group), self.weight)
+        return F.linear(self.input_op(x, self.group), self.weight)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
