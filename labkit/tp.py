@@ -299,8 +299,8 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x):
         # BEGIN SOLUTION tp.attention: q, k, v = c_attn(x).chunk(3, -1); causal SDPA on your n_head/N heads; c_proj of the [B, T, n_embd/N] result
-        B, T, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # each [B, T, n_embd/N]: this rank's heads
+        B, T, _ = q.shape  # (T from q, not x: under sequence parallelism x holds T/N tokens)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
