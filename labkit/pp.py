@@ -64,8 +64,15 @@ Schedule = list[list[Action]]  # one list of actions per rank
 
 
 def rank_of_stage(stage: int, num_ranks: int) -> int:
-    """Stage s runs on rank s mod p (p stages: rank s; v chunks per rank: round robin)."""
+    """Stage s runs on pipeline rank s mod p (p stages: rank s; v chunks per rank: round robin)."""
     return stage % num_ranks
+
+
+def peer(stage: int, num_ranks: int, group=None) -> int:
+    """The global rank that runs ``stage`` when the pipeline is the process group ``group``
+    (None: all ranks), e.g. the pipeline axis of a dp x pp x tp mesh (chapter 08)."""
+    pipeline_rank = rank_of_stage(stage, num_ranks)
+    return pipeline_rank if group is None else dist.get_global_rank(group, pipeline_rank)
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -172,41 +179,41 @@ def message_tag(microbatch: int, stage: int, backward: bool) -> int:
     return 2 * (microbatch * 1024 + stage) + int(backward)
 
 
-def send_forward(activation: torch.Tensor, microbatch: int, stage: int, num_ranks: int) -> dist.Work:
-    """Send stage ``stage``'s output for ``microbatch`` to the rank of stage ``stage + 1``,
-    asynchronously (``dist.isend`` with ``message_tag(microbatch, stage + 1, False)``);
-    return the work. The tensor must stay alive until the work completes."""
-    # BEGIN SOLUTION pp.p2p: dist.isend the activation (contiguous) to rank_of_stage(stage + 1), tagged with the receiving stage
-    return dist.isend(activation.contiguous(), dst=rank_of_stage(stage + 1, num_ranks),
+def send_forward(activation: torch.Tensor, microbatch: int, stage: int, num_ranks: int, group=None) -> dist.Work:
+    """Send stage ``stage``'s output for ``microbatch`` to the rank of stage ``stage + 1``
+    (``peer``), asynchronously (``dist.isend`` with ``message_tag(microbatch, stage + 1,
+    False)``); return the work. The tensor must stay alive until the work completes."""
+    # BEGIN SOLUTION pp.p2p: dist.isend the activation (contiguous) to peer(stage + 1, ...), tagged with the receiving stage
+    return dist.isend(activation.contiguous(), dst=peer(stage + 1, num_ranks, group),
                       tag=message_tag(microbatch, stage + 1, False))
     # END SOLUTION
 
 
-def recv_forward(shape, dtype, microbatch: int, stage: int, num_ranks: int) -> torch.Tensor:
+def recv_forward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None) -> torch.Tensor:
     """Receive (blocking) the input of stage ``stage`` for ``microbatch`` from the rank of
     stage ``stage - 1``: a new tensor of ``shape`` and ``dtype``."""
-    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from rank_of_stage(stage - 1), same tag as the sender's
+    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from peer(stage - 1, ...), same tag as the sender's
     buffer = torch.empty(shape, dtype=dtype)
-    dist.recv(buffer, src=rank_of_stage(stage - 1, num_ranks), tag=message_tag(microbatch, stage, False))
+    dist.recv(buffer, src=peer(stage - 1, num_ranks, group), tag=message_tag(microbatch, stage, False))
     return buffer
     # END SOLUTION
 
 
-def send_backward(grad: torch.Tensor, microbatch: int, stage: int, num_ranks: int) -> dist.Work:
+def send_backward(grad: torch.Tensor, microbatch: int, stage: int, num_ranks: int, group=None) -> dist.Work:
     """Send the gradient of stage ``stage``'s input for ``microbatch`` back to the rank of
     stage ``stage - 1`` (async, ``message_tag(microbatch, stage - 1, True)``); return the work."""
-    # BEGIN SOLUTION pp.p2p: dist.isend the gradient to rank_of_stage(stage - 1), tagged with the receiving stage and backward=True
-    return dist.isend(grad.contiguous(), dst=rank_of_stage(stage - 1, num_ranks),
+    # BEGIN SOLUTION pp.p2p: dist.isend the gradient to peer(stage - 1, ...), tagged with the receiving stage and backward=True
+    return dist.isend(grad.contiguous(), dst=peer(stage - 1, num_ranks, group),
                       tag=message_tag(microbatch, stage - 1, True))
     # END SOLUTION
 
 
-def recv_backward(shape, dtype, microbatch: int, stage: int, num_ranks: int) -> torch.Tensor:
+def recv_backward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None) -> torch.Tensor:
     """Receive (blocking) the gradient of stage ``stage``'s output for ``microbatch`` from
     the rank of stage ``stage + 1``."""
-    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from rank_of_stage(stage + 1), tag of (microbatch, stage, backward)
+    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from peer(stage + 1, ...), tag of (microbatch, stage, backward)
     buffer = torch.empty(shape, dtype=dtype)
-    dist.recv(buffer, src=rank_of_stage(stage + 1, num_ranks), tag=message_tag(microbatch, stage, True))
+    dist.recv(buffer, src=peer(stage + 1, num_ranks, group), tag=message_tag(microbatch, stage, True))
     return buffer
     # END SOLUTION
 
@@ -454,13 +461,17 @@ class PipelineRunner:
     out of the last), ``hidden_size`` (activations between stages are [B, T, hidden_size]),
     and optionally ``tied``/``tied_weight()``."""
 
-    def __init__(self, stages: dict[int, StageModule], num_stages: int, *, deferred_weights: bool = False):
-        self.stages, self.num_stages = stages, num_stages
-        self.num_ranks = dist.get_world_size()
+    def __init__(self, stages: dict[int, StageModule], num_stages: int, *, deferred_weights: bool = False,
+                 group=None):
+        self.stages, self.num_stages, self.group = stages, num_stages, group
+        self.num_ranks = dist.get_world_size(group)
         self.deferred = {s: DeferredWeights(m) for s, m in stages.items()} if deferred_weights else {}
         self.tied = [w for m in stages.values() if (w := getattr(m, "tied_weight", lambda: None)()) is not None]
         ends = sorted({rank_of_stage(0, self.num_ranks), rank_of_stage(num_stages - 1, self.num_ranks)})
         tied_model = any(getattr(m, "tied", False) for m in stages.values())
+        if tied_model and group is not None and len(ends) == 2:
+            raise ValueError("a tied embedding split over a pipeline subgroup is not supported here: "
+                             "use GPTConfig(tie_weights=False) (every pipeline would need its own pair group)")
         # Every rank takes part in making a group, even those outside it.
         self.tied_group = dist.new_group(ends) if tied_model and len(ends) == 2 else None
 
@@ -485,7 +496,7 @@ class PipelineRunner:
                     x = micro_inputs[i]
                 else:
                     shape = (*micro_inputs[i].shape[:2], stage.hidden_size)
-                    x = recv_forward(shape, self._dtype(stage), i, s, self.num_ranks).requires_grad_()
+                    x = recv_forward(shape, self._dtype(stage), i, s, self.num_ranks, self.group).requires_grad_()
                 if s in self.deferred:
                     self.deferred[s].current = pending_w.setdefault((i, s), [])
                 out = stage(x)
@@ -493,18 +504,18 @@ class PipelineRunner:
                     out = loss_fn(out, micro_targets[i]) / m
                     total_loss = out.detach() if total_loss is None else total_loss + out.detach()
                 else:
-                    forward_sends[(i, s)] = send_forward(out.detach(), i, s, self.num_ranks)
+                    forward_sends[(i, s)] = send_forward(out.detach(), i, s, self.num_ranks, self.group)
                 kept[(i, s)] = (x, out)
                 in_flight[s] += 1
                 trace.peak_in_flight[s] = max(trace.peak_in_flight.get(s, 0), in_flight[s])
             elif action.kind == "B":
                 x, out = kept.pop((i, s))
-                grad = None if s == last else recv_backward(out.shape, out.dtype, i, s, self.num_ranks)
+                grad = None if s == last else recv_backward(out.shape, out.dtype, i, s, self.num_ranks, self.group)
                 if s != last:
                     forward_sends.pop((i, s)).wait()  # its gradient came back: it was received
                 torch.autograd.backward(out, grad)
                 if s > 0:
-                    backward_sends.append((send_backward(x.grad, i, s, self.num_ranks), x.grad))
+                    backward_sends.append((send_backward(x.grad, i, s, self.num_ranks, self.group), x.grad))
                 del x, out
                 if s not in self.deferred:
                     in_flight[s] -= 1

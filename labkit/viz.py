@@ -231,3 +231,75 @@ def interactive_figure(draw, controls: dict, figsize=(7, 3.5)):
     update()
     return widgets.VBox([widgets.HBox(list(controls.values()), layout=widgets.Layout(flex_flow="row wrap")),
                          image, text])
+
+
+# ----------------------------------------------------------------------------- pipelines (chapter 06)
+
+PIPELINE_COLORS = {"F": "#4e79a7", "B": "#f28e2b", "W": "#59a14f"}
+
+
+def plot_pipeline(spans, title: str = "", fig=None, ax=None, waits=(), peaks=None, time_label: str = "time"):
+    """Per-rank timeline of a pipeline schedule, its bubble hatched.
+
+    ``spans`` are ``(rank, start, end, action)`` tuples, e.g. ``labkit.pp.Timeline.spans``;
+    ``action`` has ``kind`` ("F", "B" or "W"), ``microbatch`` and ``stage`` (``labkit.pp.Action``).
+    Bars are coloured by kind, paler for later chunks of an interleaved rank, and labelled
+    with the micro-batch. The idle time of every rank between the first start and the last
+    end (the bubble) is hatched; the title gets the idle fraction. ``waits`` are optional
+    ``(rank, start, end)`` stretches drawn as thin grey bars (an action blocked in a receive);
+    ``peaks`` (one number per rank) is written at the end of each row.
+
+    Draws into ``ax`` if given, else into ``fig`` (a ``matplotlib.figure.Figure``: no pyplot,
+    safe in a widget), else into a new pyplot figure. Returns the figure.
+    """
+    from matplotlib.colors import to_rgb
+
+    spans = list(spans)
+    own_axes = ax is None
+    if ax is None:
+        if fig is None:
+            fig = plt.figure(figsize=(9, 0.45 * (1 + max((s[0] for s in spans), default=0)) + 1.4))
+        ax = fig.subplots()
+    fig = ax.figure
+    ranks = 1 + max((rank for rank, *_ in spans), default=0)
+    begin = min((start for _, start, _, _ in spans), default=0.0)
+    end = max((stop for _, _, stop, _ in spans), default=1.0)
+    busy = sum(stop - start for _, start, stop, _ in spans)
+    for rank in range(ranks):
+        ax.barh(rank, end - begin, left=begin, height=0.8, color="white", edgecolor="0.6",
+                hatch="////", linewidth=0.0)
+    chunks = 1 + max((getattr(a, "stage", 0) // ranks for *_, a in spans), default=0)
+    width = end - begin
+    for rank, start, stop, action in spans:
+        kind = getattr(action, "kind", str(action)[:1])
+        shade = (getattr(action, "stage", 0) // ranks) / max(chunks, 2)
+        color = tuple(c + (1 - c) * 0.6 * shade for c in to_rgb(PIPELINE_COLORS.get(kind, "0.5")))
+        ax.barh(rank, stop - start, left=start, height=0.8, color=color, edgecolor="white", linewidth=0.6)
+        if (stop - start) / width > 0.012 and hasattr(action, "microbatch"):
+            ax.text((start + stop) / 2, rank, str(action.microbatch), ha="center", va="center",
+                    fontsize=7 if (stop - start) / width > 0.02 else 5, color="white")
+    for rank, start, stop in waits:
+        ax.barh(rank + 0.3, stop - start, left=start, height=0.18, color="0.55", linewidth=0)
+    if peaks is not None:
+        for rank, peak in enumerate(peaks):
+            ax.text(end + 0.01 * width, rank, f"peak {peak}", va="center", fontsize=7)
+    handles = [Rectangle((0, 0), 1, 1, color=PIPELINE_COLORS[k]) for k in "FBW"]
+    labels = ["F: forward", "B: backward" + (" (input grad.)" if any(getattr(a, "kind", "") == "W"
+                                                                      for *_, a in spans) else ""),
+              "W: weight grad."]
+    handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.6", hatch="////"))
+    labels.append("idle (bubble)")
+    if waits:
+        handles.append(Rectangle((0, 0), 1, 1, color="0.55"))
+        labels.append("waiting in a receive")
+    ax.legend(handles, labels, fontsize=7, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(handles),
+              frameon=False, handlelength=1.2, columnspacing=1.0)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=8)
+    ax.set_ylim(ranks - 0.5, -0.5)
+    ax.set_xlim(begin, end + (0.06 * width if peaks is not None else 0))
+    ax.set_xlabel(time_label, fontsize=8)
+    idle = 1 - busy / (ranks * width) if spans else 0.0
+    ax.set_title(f"{title}{': ' if title else ''}idle {idle:.1%}", fontsize=9, loc="left")
+    if own_axes:
+        fig.tight_layout()
+    return fig

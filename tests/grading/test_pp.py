@@ -281,28 +281,33 @@ def test_split_gpt_composes_back_to_the_model():
         split_gpt(GPT(config(2, 1)), 3)
 
 
-def p2p_on_rank():
+def p2p_on_rank(members=None):
+    """Stages on the ranks of ``members`` (a subgroup, as the pipeline axis of a mesh; None:
+    every rank) pass activations forward and gradients back, micro-batches out of order."""
     from labkit import pp
     from labkit.comm import CommTracer
-    p, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(members) if members else None
+    if members and dist.get_rank() not in members:
+        return
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
     shape = (2, 3)
     with CommTracer() as tracer:
         works = []
         if rank < p - 1:  # send micro-batches out of order: the tags must keep them apart
             for i in (2, 0, 1):
-                works.append(pp.send_forward(torch.full(shape, 10.0 * rank + i), i, rank, p))
+                works.append(pp.send_forward(torch.full(shape, 10.0 * rank + i), i, rank, p, group))
         if rank > 0:
             for i in (0, 1, 2):
-                got = pp.recv_forward(shape, torch.float32, i, rank, p)
+                got = pp.recv_forward(shape, torch.float32, i, rank, p, group)
                 assert torch.equal(got, torch.full(shape, 10.0 * (rank - 1) + i)), \
-                    f"pp.p2p: rank {rank} received {got[0, 0].item()} for micro-batch {i} from the previous stage"
+                    f"pp.p2p: stage {rank} received {got[0, 0].item()} for micro-batch {i} from the previous stage"
             for i in (1, 2, 0):
-                works.append(pp.send_backward(torch.full(shape, -10.0 * rank - i), i, rank, p))
+                works.append(pp.send_backward(torch.full(shape, -10.0 * rank - i), i, rank, p, group))
         if rank < p - 1:
             for i in (0, 1, 2):
-                got = pp.recv_backward(shape, torch.float32, i, rank, p)
+                got = pp.recv_backward(shape, torch.float32, i, rank, p, group)
                 assert torch.equal(got, torch.full(shape, -10.0 * (rank + 1) - i)), \
-                    f"pp.p2p: rank {rank} received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
+                    f"pp.p2p: stage {rank} received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
         for work in works:
             work.wait()
     assert tracer.kinds() <= {"send", "recv"}, f"pp.p2p: use point-to-point messages only; traced {tracer.summary()}"
@@ -312,6 +317,12 @@ def p2p_on_rank():
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_activations_and_gradients_reach_their_stage(world_size):
     run_graded("pp.p2p", p2p_on_rank, world_size)
+
+
+@task("pp.p2p", points=1)
+def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
+    # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3
+    run_graded("pp.p2p", p2p_on_rank, 4, [1, 2, 3])
 
 
 # ----------------------------------------------------------------------------- schedules
