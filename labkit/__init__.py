@@ -10,7 +10,7 @@ the launcher's rank server) lives in ``labkit.course``.
 import os as _os
 import warnings as _warnings
 
-from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch
+from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch, restart_count
 
 
 def _warn_if_another_tree() -> None:
@@ -28,5 +28,5 @@ def _warn_if_another_tree() -> None:
 
 _warn_if_another_tree()
 
-__all__ = ["launch", "LaunchError", "LaunchTimeout", "Deadlock", "WorkerError"]
+__all__ = ["launch", "restart_count", "LaunchError", "LaunchTimeout", "Deadlock", "WorkerError"]
 __version__ = "0.1.0"

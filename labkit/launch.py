@@ -53,6 +53,7 @@ from labkit.course import deadlock
 BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
 KILL_GRACE = 2.0        # seconds between SIGTERM and SIGKILL when stopping ranks
+REAP_SLACK = 0.5        # seconds a death may precede the rank server's record of it
 OWN_FRAMES = ("labkit/course/worker.py", "labkit/course/rankserver.py", "labkit/course/deadlock.py",
               "<frozen runpy>")  # the launcher's frames: never what the learner wants to see
 
@@ -138,13 +139,18 @@ def under_torchrun() -> bool:
 # ----------------------------------------------------------------------------- launch
 
 
-def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock=True, **kwargs) -> list:
+def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock=True, max_restarts=0,
+           **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``backend``: "auto" (NCCL with a GPU per rank, else gloo), "gloo" or "nccl".
     ``timeout``: seconds before a hang is reported with every rank's stack.
     ``detect_deadlock``: report ranks that all wait on each other within seconds, not at
     the timeout (see ``labkit.course.deadlock``).
+    ``max_restarts``: like torchrun's: when a rank fails (raises, or dies: SIGKILL, a crash),
+    stop every rank and start them all again, up to this many times. The ranks of attempt k
+    see ``restart_count() == k`` (env ``LABKIT_RESTART_COUNT`` and, as under torchrun,
+    ``TORCHELASTIC_RESTART_COUNT``): resuming from a checkpoint is theirs to do (chapter 09).
     """
     world_size = _check_arguments(fn, world_size)
     if "LABKIT_RANK" in os.environ:
@@ -154,8 +160,29 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
     backend = resolve_backend(backend, world_size)
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
     payload = cloudpickle.dumps((fn, args, kwargs))  # fails here, before any process starts
+    for restart in range(max_restarts + 1):
+        try:
+            return _launch_once(payload, world_size, backend, timeout, detect_deadlock, restart)
+        except WorkerError as error:
+            if restart == max_restarts:
+                raise
+            print(f"[launch] rank {error.rank} failed ({error.exc_type}: {error.message.splitlines()[0]}); "
+                  f"restarting every rank ({restart + 1} of {max_restarts})", flush=True)
+    raise AssertionError("unreachable")
 
+
+def restart_count() -> int:
+    """Which attempt this rank belongs to: 0 at first, k after k restarts (``launch(...,
+    max_restarts=...)`` or torchrun's ``--max-restarts``)."""
+    env = os.environ
+    return int(env.get("LABKIT_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+
+
+def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, detect_deadlock: bool,
+                 restart: int) -> list:
     with tempfile.TemporaryDirectory(prefix="labkit-") as rundir:
         with open(os.path.join(rundir, "payload.pkl"), "wb") as f:
             f.write(payload)
@@ -165,7 +192,7 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
         server, ranks = _RankServer.get(), []
         try:
             for rank in range(world_size):
-                ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout))
+                ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout, restart))
             detector = deadlock.Detector(ranks, _dump_stacks, backend) if detect_deadlock else None
             return _supervise(server, ranks, timeout, detector)
         finally:
@@ -241,12 +268,13 @@ def _caller_path() -> str:
     return os.pathsep.join(p or os.getcwd() for p in sys.path)
 
 
-def _start_rank(server, rank, world_size, backend, port, rundir, timeout) -> _Rank:
+def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restart=0) -> _Rank:
     env = dict(os.environ)
     env.update(
         LABKIT_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=_caller_path(),
+        LABKIT_RESTART_COUNT=str(restart), TORCHELASTIC_RESTART_COUNT=str(restart),
     )
     rank_info = _Rank(rank, -1, rundir)
     spec = dict(
@@ -326,8 +354,11 @@ def _first_failure(ranks: list[_Rank], failed: list[_Rank]) -> WorkerError:
             code = r.poll()
             why = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0
                    else f"exited with status {code}")
-            # When it died: a peer's "connection reset" that follows is a consequence, not the cause.
-            died = os.path.getmtime(r.path("exit", "txt"))
+            # When it died: a peer's "connection reset" that follows is a consequence, not the
+            # cause. The exit file is written when the rank server reaps it (it polls every
+            # 50 ms, later on a busy machine) while the peer raises at once: count the death
+            # REAP_SLACK earlier than the file says.
+            died = os.path.getmtime(r.path("exit", "txt")) - REAP_SLACK
             reports.append(dict(rank=r.rank, time=died, exc_type="ProcessExit",
                                 message=f"the rank's process {why} without raising",
                                 traceback=_crash_report(r)))
@@ -429,7 +460,8 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
         backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, store=_torchrun_store(), rank=int(os.environ["RANK"]),
+                                world_size=env_world)
         # Ours to clean up. Left to interpreter shutdown, gloo's worker threads may still be
         # releasing the last op's tensors, which needs the GIL: the process aborts (SIGABRT).
         atexit.register(_destroy_process_group)
@@ -437,6 +469,18 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
     results = [None] * world_size
     dist.all_gather_object(results, result)
     return results
+
+
+def _torchrun_store():
+    """torchrun's store, with a prefix per restart. After a restart the agent's store still
+    holds the dead attempt's keys (the ranks' addresses); a new group that read them would
+    wait forever in init_process_group. Each attempt gets its own key space instead."""
+    env = os.environ
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # the agent serves it
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=_as_timedelta(900))
+    return dist.PrefixStore(f"labkit/attempt{restart_count()}/", store)
 
 
 def _destroy_process_group() -> None:
