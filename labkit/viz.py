@@ -9,6 +9,7 @@ A script can ``fig.savefig(...)`` under any backend (Agg too) and ``plt.close(fi
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import threading
@@ -84,15 +85,16 @@ def plot_ring_steps(world_size: int = 4):
 
 
 def plot_cost_curves(models: dict, world_sizes=(2, 8, 64), alpha: float = 5e-6,
-                     beta: float = 1 / 50e9, sizes=None, mark_size: float | None = None):
+                     beta: float = 1 / 50e9, sizes=None, mark_size: float | None = None, fig=None):
     """Predicted time vs message size (log-log): one colour per N, one line style per model.
 
     ``models`` maps a name to ``f(size_bytes, world, alpha, beta) -> seconds``, e.g.
-    ``{"ring": labkit.comm.ring_all_reduce_time}``.
+    ``{"ring": labkit.comm.ring_all_reduce_time}``. ``fig``: draw into this (empty) Figure
+    instead of a new pyplot one (what a widget's draw function does).
     """
     sizes = sizes if sizes is not None else [2.0 ** k for k in range(10, 35)]
     styles = ["-", "--", ":", "-."]
-    fig = plt.figure(figsize=(6.5, 4.2))
+    fig = fig if fig is not None else plt.figure(figsize=(6.5, 4.2))
     ax = fig.subplots()
     for i, n in enumerate(world_sizes):
         color = f"C{i}"
@@ -190,11 +192,39 @@ def plot_timeline(spans, title: str = "", colors: dict | None = None, lanes: dic
 
 # ----------------------------------------------------------------------------- widgets
 
-# Widget callbacks may run on a thread of their own (JupyterLab 4.6's comms over kernel
-# subshells), while the notebook's main thread draws too; matplotlib's text rendering
-# (mathtext, FreeType) is not thread-safe. So a widget's figure never touches pyplot's
-# global state (a fresh ``Figure`` per draw) and every widget draws under one lock.
+# Widget callbacks may run on a thread of their own (JupyterLab 4.6 sends widget messages to
+# kernel subshells by default, "commsOverSubshells": "perCommTarget"), while the notebook's
+# main thread draws too, and matplotlib is not thread-safe: pyplot keeps global state, and
+# mathtext's parser and FreeType's glyph cache are shared. Seen in a real browser: tracebacks
+# from mathtext inside tight_layout, "FT_Load_Glyph ... invalid outline", blank or distorted
+# PNGs. So (1) a widget's figure never touches pyplot (a fresh ``Figure`` per draw), and
+# (2) every render in this process, whatever thread it runs on (the inline backend's PNGs,
+# savefig, tight_layout, a widget's draw), takes ``DRAW_LOCK``: importing this module wraps
+# matplotlib's entry points that lay out and rasterise text (``serialize_rendering``).
 DRAW_LOCK = threading.RLock()
+
+
+def _serialized(method):
+    @functools.wraps(method)
+    def under_lock(*args, **kwargs):
+        with DRAW_LOCK:
+            return method(*args, **kwargs)
+    under_lock._labkit_serialized = True
+    return under_lock
+
+
+def serialize_rendering() -> None:
+    """Make matplotlib's rendering entry points take ``DRAW_LOCK`` (idempotent)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+    from matplotlib.figure import Figure
+    for owner, name in ((FigureCanvasBase, "print_figure"), (FigureCanvasAgg, "draw"),
+                        (Figure, "tight_layout"), (Figure, "draw_without_rendering")):
+        method = getattr(owner, name)
+        if not getattr(method, "_labkit_serialized", False):
+            setattr(owner, name, _serialized(method))
+
+
+serialize_rendering()
 
 
 def figure_png(fig, dpi: int = 100) -> bytes:
@@ -283,10 +313,9 @@ def plot_pipeline(spans, title: str = "", fig=None, ax=None, waits=(), peaks=Non
     if peaks is not None:
         for rank, peak in enumerate(peaks):
             ax.text(end + 0.01 * width, rank, f"peak {peak}", va="center", fontsize=7)
-    handles = [Rectangle((0, 0), 1, 1, color=PIPELINE_COLORS[k]) for k in "FBW"]
-    labels = ["F: forward", "B: backward" + (" (input grad.)" if any(getattr(a, "kind", "") == "W"
-                                                                      for *_, a in spans) else ""),
-              "W: weight grad."]
+    split = any(getattr(a, "kind", "") == "W" for *_, a in spans)
+    handles = [Rectangle((0, 0), 1, 1, color=PIPELINE_COLORS[k]) for k in ("FBW" if split else "FB")]
+    labels = ["F: forward", "B: backward (input grad.)", "W: weight grad."] if split else ["F: forward", "B: backward"]
     handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="0.6", hatch="////"))
     labels.append("idle (bubble)")
     if waits:
