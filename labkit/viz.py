@@ -10,9 +10,11 @@ A script can ``fig.savefig(...)`` under any backend (Agg too) and ``plt.close(fi
 from __future__ import annotations
 
 import functools
+import html
 import io
 import math
 import threading
+import traceback
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -252,9 +254,12 @@ def interactive_figure(draw, controls: dict, figsize=(7, 3.5)):
     def update(change=None):
         values = {name: control.value for name, control in controls.items()}
         fig = Figure(figsize=figsize)
-        with DRAW_LOCK:
-            text.value = draw(fig, **values) or ""
-            image.value = figure_png(fig)
+        try:
+            with DRAW_LOCK:
+                text.value = draw(fig, **values) or ""
+                image.value = figure_png(fig)
+        except Exception:  # noqa: BLE001 - shown where the learner looks, not in a hidden log
+            text.value = f"<pre>{html.escape(traceback.format_exc())}</pre>"
 
     for control in controls.values():
         control.observe(update, names="value")
