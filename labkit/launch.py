@@ -236,6 +236,10 @@ class _RankServer:
 
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=_caller_path())
+        # OpenMP threads that spin while they wait steal the cores from the other ranks: on a
+        # busy 2-core machine a tiny GPT step took 10x longer with 2 spinning threads. The
+        # ranks inherit this from the server, which loads torch (and OpenMP) once.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.owner = os.getpid()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "labkit.course.rankserver"], env=env, stdin=subprocess.PIPE,

@@ -16,7 +16,8 @@ Interleaving v chunks per rank (stage i on rank i mod p) divides the bubble by v
 of v times more messages. Zero-bubble scheduling (Qi et al. 2023) splits backward into B,
 the gradient of the stage's input (which the previous stage waits for), and W, the weight
 gradients (which nobody waits for), and slides W's into the holes: ZB-H1 keeps 1F1B's
-memory and cuts its bubble to about a third.
+peak memory (p micro-batches, on the first stage; later stages now hold W's inputs longer, up
+to p each) and cuts its bubble to about a third.
 
 A schedule here is data: for every rank, the list of ``Action``s it runs, in order:
 ``Action("F", i, s)`` forward of micro-batch i through stage s, ``"B"`` its backward (the
@@ -189,11 +190,12 @@ def send_forward(activation: torch.Tensor, microbatch: int, stage: int, num_rank
     # END SOLUTION
 
 
-def recv_forward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None) -> torch.Tensor:
+def recv_forward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None,
+                 device=None) -> torch.Tensor:
     """Receive (blocking) the input of stage ``stage`` for ``microbatch`` from the rank of
-    stage ``stage - 1``: a new tensor of ``shape`` and ``dtype``."""
-    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from peer(stage - 1, ...), same tag as the sender's
-    buffer = torch.empty(shape, dtype=dtype)
+    stage ``stage - 1``: a new tensor of ``shape``, ``dtype`` and ``device`` (NCCL: the GPU)."""
+    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype, device) from peer(stage - 1, ...), same tag as the sender's
+    buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, src=peer(stage - 1, num_ranks, group), tag=message_tag(microbatch, stage, False))
     return buffer
     # END SOLUTION
@@ -208,11 +210,12 @@ def send_backward(grad: torch.Tensor, microbatch: int, stage: int, num_ranks: in
     # END SOLUTION
 
 
-def recv_backward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None) -> torch.Tensor:
+def recv_backward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None,
+                  device=None) -> torch.Tensor:
     """Receive (blocking) the gradient of stage ``stage``'s output for ``microbatch`` from
     the rank of stage ``stage + 1``."""
-    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype) from peer(stage + 1, ...), tag of (microbatch, stage, backward)
-    buffer = torch.empty(shape, dtype=dtype)
+    # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype, device) from peer(stage + 1, ...), tag of (microbatch, stage, backward)
+    buffer = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(buffer, src=peer(stage + 1, num_ranks, group), tag=message_tag(microbatch, stage, True))
     return buffer
     # END SOLUTION
@@ -445,10 +448,16 @@ class DeferredWeights:
 @dataclass
 class Trace:
     events: list[tuple[Action, float, float]] = field(default_factory=list)  # (action, start, end)
+    waits: list[tuple[Action, float, float]] = field(default_factory=list)   # (action, start, end)
     peak_in_flight: dict[int, int] = field(default_factory=dict)             # stage -> micro-batches
 
     def order(self) -> list[Action]:
         return [a for a, _, _ in self.events]
+
+    def busy(self) -> float:
+        """Seconds spent computing (an event starts once its input has arrived; the time
+        spent waiting for it is in ``waits``)."""
+        return sum(end - start for _, start, end in self.events)
 
 
 class PipelineRunner:
@@ -496,7 +505,9 @@ class PipelineRunner:
                     x = micro_inputs[i]
                 else:
                     shape = (*micro_inputs[i].shape[:2], stage.hidden_size)
-                    x = recv_forward(shape, self._dtype(stage), i, s, self.num_ranks, self.group).requires_grad_()
+                    x = recv_forward(shape, self._dtype(stage), i, s, self.num_ranks, self.group,
+                                     device=self._device(stage)).requires_grad_()
+                    start = self._waited(trace, action, start)
                 if s in self.deferred:
                     self.deferred[s].current = pending_w.setdefault((i, s), [])
                 out = stage(x)
@@ -510,8 +521,10 @@ class PipelineRunner:
                 trace.peak_in_flight[s] = max(trace.peak_in_flight.get(s, 0), in_flight[s])
             elif action.kind == "B":
                 x, out = kept.pop((i, s))
-                grad = None if s == last else recv_backward(out.shape, out.dtype, i, s, self.num_ranks, self.group)
+                grad = None if s == last else recv_backward(out.shape, out.dtype, i, s, self.num_ranks,
+                                                            self.group, device=out.device)
                 if s != last:
+                    start = self._waited(trace, action, start)
                     forward_sends.pop((i, s)).wait()  # its gradient came back: it was received
                 torch.autograd.backward(out, grad)
                 if s > 0:
@@ -533,8 +546,19 @@ class PipelineRunner:
         return total_loss, trace
 
     @staticmethod
+    def _waited(trace: Trace, action: Action, since: float) -> float:
+        """Record the wait for an input that just arrived; the action's compute starts now."""
+        now = time.perf_counter()
+        trace.waits.append((action, since, now))
+        return now
+
+    @staticmethod
     def _dtype(stage: nn.Module) -> torch.dtype:
         return next(stage.parameters()).dtype
+
+    @staticmethod
+    def _device(stage: nn.Module) -> torch.device:
+        return next(stage.parameters()).device
 
 
 def gpt_loss(logits, targets):
