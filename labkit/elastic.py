@@ -132,10 +132,17 @@ def put_model_rows(model: nn.Module, rows: dict[str, torch.Tensor]) -> None:
             p[:len(value)].copy_(value)
 
 
+def held_params(optimizer) -> list[nn.Parameter]:
+    """The parameters whose state this rank's optimizer keeps: all of them, or for a ZeRO
+    optimizer (chapter 03) the ones this rank owns."""
+    owned = getattr(optimizer, "owned", None)
+    return list(owned) if owned is not None else [p for g in optimizer.param_groups for p in g["params"]]
+
+
 @torch.no_grad()
 def put_optimizer_rows(optimizer, model: nn.Module, rows: dict[str, torch.Tensor]) -> None:
     """Rebuild ``optimizer.state`` from "<name>::<key>" rows for the parameters it holds."""
-    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    params = {id(p) for p in held_params(optimizer)}
     for name, p in model.named_parameters():
         if id(p) not in params:
             continue
@@ -342,7 +349,7 @@ def load_checkpoint(path, model: nn.Module, optimizer) -> Progress:
     need = needed_rows(model)
     put_model_rows(model, {name: rows_of(f"model/{name}", *spec) for name, spec in need.items()})
     names = {id(p): name for name, p in model.named_parameters()}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
+    held = held_params(optimizer)
     optimizer_rows = {}
     for p in held:
         name = names[id(p)]

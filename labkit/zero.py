@@ -84,25 +84,31 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 
 
 def _param_groups(params) -> list[dict]:
-    """``params`` as torch optimizers take them (tensors, or dicts of options), as groups."""
+    """``params`` as torch optimizers take them (tensors, or dicts of options), as groups;
+    a parameter listed twice (a tied weight) is kept once."""
     groups = list(params)
     if not groups:
         raise ValueError("ShardedOptimizer got an empty parameter list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    return [dict(g, params=list(g["params"])) for g in groups]
+    seen: set[int] = set()
+    return [dict(g, params=[p for p in g["params"] if not (id(p) in seen or seen.add(id(p)))]) for g in groups]
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(torch.optim.Optimizer):
     """ZeRO-1 (and with ``shard_gradients=True`` ZeRO-2) around any ``torch.optim`` class.
 
         opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
         loss.backward(); <average gradients: DDP or all-reduce>; opt.step(); opt.zero_grad()
 
     Used like ``torch.distributed.optim.ZeroRedundancyOptimizer``: construct it on every
-    rank of ``group`` with the same parameters in the same order. ``self.optimizer`` is this
-    rank's ``optimizer_cls`` over the parameters it owns (``None`` if it owns none);
-    ``state`` and ``param_groups`` are that optimizer's, so they hold this rank's shard only.
+    rank of ``group`` with the same parameters in the same order. It is a real
+    ``torch.optim.Optimizer``: ``param_groups`` hold every parameter with its options (LR
+    schedulers change them there, and ``step`` passes them on), ``add_param_group`` works
+    before training starts, ``state_dict()`` (a collective) gathers the whole state in
+    torch's format on every rank and ``load_state_dict`` takes one back (at any world size).
+    ``self.optimizer`` is this rank's ``optimizer_cls`` over the parameters it owns (``None``
+    if it owns none), and ``state`` is that optimizer's: this rank's shard only.
 
     With ``shard_gradients=True`` (ZeRO-2) the optimizer also averages the gradients: hooks
     collect them during backward and one reduce-scatter at the end of backward leaves each
@@ -114,7 +120,26 @@ class ShardedOptimizer:
                  **optimizer_kwargs):
         self.group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-        groups = _param_groups(params)
+        self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
+        self.shard_gradients = shard_gradients
+        self._ready = False  # add_param_group repartitions only once __init__ is done
+        # The groups carry every option of optimizer_cls (an LR scheduler needs "lr" there).
+        defaults = optimizer_cls([torch.nn.Parameter(torch.zeros(1))], **optimizer_kwargs).defaults
+        super().__init__(_param_groups(params), defaults)
+        self._ready = True
+        self._partition()
+
+        # ZeRO-2 bookkeeping (see _grad_hook); the hooks fire once per parameter per backward.
+        self.flat_grads: torch.Tensor | None = None   # during backward: all grads, rank-major
+        self.arrived: set[int] = set()                # ids of the params whose grad arrived
+        self._in_backward = False
+        self._grads_reduced = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
+                       for p in self.params] if shard_gradients else []
+
+    def _partition(self) -> None:
+        """Assign the trainable parameters to ranks and build this rank's local optimizer."""
+        groups = self.param_groups
         # Trainable parameters, each once (a tied weight may be listed twice), in given order.
         seen: set[int] = set()
         self.params = [p for g in groups for p in g["params"]
@@ -133,6 +158,7 @@ class ShardedOptimizer:
                 self.layout[id(p)] = offset
                 offset += p.numel()
 
+        optimizer_cls, optimizer_kwargs = self.optimizer_cls, self.optimizer_kwargs
         self.optimizer: torch.optim.Optimizer | None = None
         # BEGIN SOLUTION zero.stage1: set self.optimizer = optimizer_cls over only the params in self.owned (keep each group's options), or None if this rank owns none
         mine = {id(p) for p in self.owned}
@@ -140,25 +166,70 @@ class ShardedOptimizer:
         local_groups = [g for g in local_groups if g["params"]]
         self.optimizer = optimizer_cls(local_groups, **optimizer_kwargs) if local_groups else None
         # END SOLUTION
+        self.state = self.optimizer.state if self.optimizer is not None else {}
 
-        # ZeRO-2 bookkeeping (see _grad_hook); the hooks fire once per parameter per backward.
-        self.shard_gradients = shard_gradients
-        self.flat_grads: torch.Tensor | None = None   # during backward: all grads, rank-major
-        self.arrived: set[int] = set()                # ids of the params whose grad arrived
-        self._in_backward = False
-        self._grads_reduced = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_hook)
-                       for p in self.params] if shard_gradients else []
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (on every rank, the same). Parameters are repartitioned, so do it before
+        the first step: moving optimizer state between ranks is refused."""
+        super().add_param_group(param_group)
+        if not self._ready:
+            return
+        if any(self.state.values()):
+            raise RuntimeError("ShardedOptimizer.add_param_group after a step would move optimizer "
+                               "state between ranks; add every group before training starts")
+        if self.shard_gradients:
+            seen = {id(p) for p in self.params}
+            self._hooks += [p.register_post_accumulate_grad_hook(self._grad_hook)
+                            for p in param_group["params"] if p.requires_grad and id(p) not in seen]
+        self._partition()
+
+    def _sync_options(self) -> None:
+        """Copy the groups' options (lr after a scheduler, ...) to the local optimizer's groups."""
+        if self.optimizer is None:
+            return
+        by_param = {id(p): g for g in self.param_groups for p in g["params"]}
+        for local in self.optimizer.param_groups:
+            source = by_param[id(local["params"][0])]
+            local.update({k: v for k, v in source.items() if k != "params"})
+
+    # ------------------------------------------------------------------------- state dicts
+
+    def _indices(self) -> dict[int, int]:
+        """Parameter id -> its index in torch's state-dict numbering (groups in order)."""
+        order = [p for g in self.param_groups for p in g["params"]]
+        return {id(p): i for i, p in reversed(list(enumerate(order)))}
+
+    def state_dict(self) -> dict:
+        """The whole optimizer state in ``torch.optim.Optimizer.state_dict()``'s format, gathered
+        from every rank's shard. A collective: every rank of the group must call it."""
+        index = self._indices()
+        mine = {index[id(p)]: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+                for p, state in self.state.items()}
+        shards = [None] * self.world_size
+        dist.all_gather_object(shards, mine, group=self.group)
+        merged = {k: v for shard in shards for k, v in shard.items()}
+        groups = [dict({k: v for k, v in g.items() if k != "params"},
+                       params=sorted({index[id(p)] for p in g["params"]})) for g in self.param_groups]
+        return {"state": merged, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take a state dict of ``state_dict()``'s format (from any world size): every group's
+        options, and the state of the parameters this rank owns."""
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(state_dict['param_groups'])} parameter groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        index = self._indices()
+        for p in self.owned:
+            saved = state_dict["state"].get(index[id(p)])
+            if saved is not None:
+                self.state[p] = {k: v.clone().to(p.device) if isinstance(v, torch.Tensor) and v.dim()
+                                 else (v.clone() if isinstance(v, torch.Tensor) else v)
+                                 for k, v in saved.items()}
+        self._sync_options()
 
     # ------------------------------------------------------------------------- stage 1
-
-    @property
-    def state(self):
-        return self.optimizer.state if self.optimizer is not None else {}
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups if self.optimizer is not None else []
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -167,6 +238,7 @@ class ShardedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sync_options()  # an LR scheduler changed self.param_groups: pass it on
         # BEGIN SOLUTION zero.stage1: step self.optimizer (if any), then all-gather every rank's flattened shard (padded to the largest: dist.all_gather_single) and unflatten_into the other ranks' params
         if self.optimizer is not None:
             self.optimizer.step()

@@ -336,3 +336,78 @@ def check_stage2_traffic(in_backward: CommTracer, in_step: CommTracer, phi: int,
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_stage2(world_size):
     run_graded("zero.stage2", stage2_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- a torch optimizer
+
+
+def real_optimizer_on_rank():
+    """ShardedOptimizer used as training code uses a torch optimizer: an LR scheduler, a
+    state_dict round trip into a new model and optimizer that resumes exactly, and
+    add_param_group before training."""
+    from labkit.models import GPT, GPTConfig
+    from labkit.zero import ShardedOptimizer
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    reference = GPT(config).double()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    x, y = markov_tokens(4 * 8, config.block_size, config.vocab_size, seed=3)
+
+    def make(model):
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients=True, lr=1e-2)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    def step(k, model, opt, sched):
+        xb, yb = x[4 * k:4 * (k + 1)], y[4 * k:4 * (k + 1)]
+        if 4 % n == 0:  # this rank's share of the batch
+            share = 4 // n
+            local = xb[rank * share:(rank + 1) * share], yb[rank * share:(rank + 1) * share]
+        else:  # 3 ranks: each runs the whole batch; the average of equal gradients is the same
+            local = xb, yb
+        model(*local)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        reference(xb, yb)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+
+    model = GPT(config).double()
+    opt, sched = make(model)
+    assert isinstance(opt, torch.optim.Optimizer), "zero.stage1: ShardedOptimizer must be a torch.optim.Optimizer"
+    for k in range(3):
+        step(k, model, opt, sched)
+    expected_lr = 1e-2 * 0.5 ** (3 // 2)  # StepLR(step_size=2, gamma=0.5) after 3 steps
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == expected_lr, \
+        f"zero.stage1: after 3 StepLR steps lr is {opt.param_groups[0]['lr']}; expected {expected_lr}"
+    saved = opt.state_dict()  # a collective: the whole state, on every rank
+    expected = ref_opt.state_dict()
+    assert sorted(saved["state"]) == sorted(expected["state"]), "zero.stage1: state_dict() lacks some parameters' state"
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            assert_close(torch.as_tensor(saved["state"][index][key]).double(), torch.as_tensor(value).double(),
+                         f"zero.stage1: rank {rank}: state_dict()['state'][{index}][{key!r}] vs one AdamW")
+    # Resume as a restarted job would: a new model and optimizer, loaded from the saved dicts.
+    resumed = GPT(config).double()
+    resumed.load_state_dict(model.state_dict())
+    opt2, sched2 = make(resumed)
+    opt2.load_state_dict(saved)
+    sched2.load_state_dict(sched.state_dict())
+    for k in range(3, 5):
+        step(k, resumed, opt2, sched2)
+    for (name, p), q in zip(resumed.named_parameters(), reference.parameters()):
+        assert_close(p, q, f"zero.stage1: rank {rank}: {name} after a state_dict round trip and 2 more steps")
+    extra = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    grown = ShardedOptimizer([torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))], torch.optim.SGD, lr=0.1)
+    grown.add_param_group({"params": [extra], "lr": 0.5})
+    assert [g["lr"] for g in grown.param_groups] == [0.1, 0.5] and sum(len(ps) for ps in grown.partition) == 2, \
+        "zero.stage1: add_param_group must add the group (with its options) and repartition"
+
+
+@task("zero.stage1", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_real_torch_optimizer_schedulers_and_state_dicts(world_size):
+    run_graded("zero.stage1", real_optimizer_on_rank, world_size)
