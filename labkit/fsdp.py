@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 UNIT_ATTR = "_fsdp_unit"  # where fully_shard leaves the unit on its module
 
@@ -83,6 +83,8 @@ class ShardedParam:
     shape: torch.Size                        # the full (unpadded) shape
     places: list[tuple[nn.Module, str]]      # (module, attribute name): two for a tied weight
     shard: nn.Parameter | None = None        # this rank's rows, padded: what the optimizer sees
+    param_dtype: torch.dtype | None = None   # mixed precision: gathered and used in this dtype
+    reduce_dtype: torch.dtype | None = None  # mixed precision: gradients reduced in this dtype
 
     @property
     def rows(self) -> int:
@@ -90,8 +92,10 @@ class ShardedParam:
 
 
 def pack_shards(params: list[ShardedParam]) -> torch.Tensor:
-    """The unit's shards back to back in one flat buffer: this rank's all-gather input."""
-    return torch.cat([p.shard.detach().reshape(-1) for p in params])
+    """The unit's shards back to back in one flat buffer: this rank's all-gather input. With
+    mixed precision the shards are cast to ``param_dtype`` here, so the all-gather moves (and
+    the full parameters take) 2 bytes per value instead of 4; the shards stay fp32 masters."""
+    return torch.cat([p.shard.detach().reshape(-1).to(p.param_dtype or p.shard.dtype) for p in params])
 
 
 def unpack_full(gathered: torch.Tensor, params: list[ShardedParam], world: int) -> list[torch.Tensor]:
@@ -116,7 +120,9 @@ def pack_grads(grads: list[torch.Tensor], params: list[ShardedParam], world: int
     """Full gradients as the flat reduce-scatter input: block r holds, parameter after
     parameter, the (zero-padded) rows that rank r keeps, so block r lands on rank r.
     Copied straight into place: no padded copy of each gradient on the way."""
-    flat = grads[0].new_zeros(world, sum(p.shard.numel() for p in params))
+    # Mixed precision: the reduce-scatter runs in reduce_dtype (default: the gradients' dtype).
+    dtype = params[0].reduce_dtype or grads[0].dtype
+    flat = grads[0].new_zeros(world, sum(p.shard.numel() for p in params), dtype=dtype)
     offset = 0
     for g, p in zip(grads, params):
         k = p.shard.numel()
@@ -131,10 +137,11 @@ def pack_grads(grads: list[torch.Tensor], params: list[ShardedParam], world: int
 
 
 def unpack_shard_grads(flat: torch.Tensor, params: list[ShardedParam]) -> list[torch.Tensor]:
-    """This rank's reduce-scatter output, cut into one gradient per shard."""
+    """This rank's reduce-scatter output, cut into one gradient per shard (in the shard's
+    dtype: with mixed precision the gradient lands on the fp32 master shard)."""
     grads, offset = [], 0
     for p in params:
-        grads.append(flat[offset:offset + p.shard.numel()].view_as(p.shard))
+        grads.append(flat[offset:offset + p.shard.numel()].view_as(p.shard).to(p.shard.dtype))
         offset += p.shard.numel()
     return grads
 
@@ -266,7 +273,8 @@ def unit_modules(module: nn.Module):
 class FSDPUnit:
     """The state ``fully_shard`` attaches to a module: shards, gathered parameters, hooks."""
 
-    def __init__(self, module: nn.Module, group, reshard_after_forward: bool, prefetch: bool):
+    def __init__(self, module: nn.Module, group, reshard_after_forward: bool, prefetch: bool,
+                 mp_policy=None, replicate_params=()):
         self.module = module
         self.name = type(module).__name__
         self.group = group  # None: the default group (never hold it: see ddp.DDP.__init__)
@@ -278,14 +286,17 @@ class FSDPUnit:
         self.saving = None                            # the saved-tensor hooks during forward
         self.storage_index: dict[int, int] = {}       # storage of a full parameter -> its index
 
-        # The unit takes the parameters of its module that no unit below has taken.
+        # The unit takes the parameters of its module that no unit below has taken, except
+        # the ones to keep whole (replicate_params: averaged like DDP instead; see below).
         below = [m for m in module.modules() if m is not module and hasattr(m, UNIT_ATTR)]
         taken = set().union(*(getattr(m, UNIT_ATTR).original_ids for m in below))
+        self.replicated = list({id(p): p for p in replicate_params}.values())
+        whole = {id(p) for p in self.replicated}
         owned: dict[int, ShardedParam] = {}
         originals = []
         for m in unit_modules(module):
             for name, p in m._parameters.items():
-                if p is None:
+                if p is None or id(p) in whole:
                     continue
                 if id(p) in taken:
                     raise ValueError(f"fully_shard({self.name}): parameter {type(m).__name__}.{name} is "
@@ -294,7 +305,7 @@ class FSDPUnit:
                 if p.dim() == 0:
                     raise ValueError(f"fully_shard({self.name}): {name} is a scalar; dim-0 sharding needs dim >= 1")
                 if id(p) not in owned:
-                    owned[id(p)] = ShardedParam(p.shape, [])
+                    owned[id(p)] = ShardedParam(p.shape, [], None, *policy_dtypes(mp_policy))
                     originals.append(p)
                 owned[id(p)].places.append((m, name))
         self.params = list(owned.values())
@@ -307,8 +318,24 @@ class FSDPUnit:
             unit.schedule = self.schedule
             self.schedule.units.append(unit)
 
+        self.param_dtype = policy_dtypes(mp_policy)[0]
+        if self.param_dtype is not None and getattr(mp_policy, "cast_forward_inputs", True):
+            module.register_forward_pre_hook(self.cast_inputs)  # before pre_forward: hooks run in order
         module.register_forward_pre_hook(self.pre_forward)
         module.register_forward_hook(self.post_forward, always_call=True)
+        for p in self.replicated:  # whole on every rank: average their gradients, as DDP does
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.average_replicated)
+
+    def cast_inputs(self, module, args):
+        """Mixed precision: floating-point inputs enter the unit in ``param_dtype``."""
+        return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, args)
+
+    def average_replicated(self, param: torch.Tensor) -> None:
+        """A parameter kept whole (``replicate_params``): its gradient, just accumulated, is
+        averaged over the group, so every rank applies the same update and they stay equal."""
+        param.grad /= self.world
+        dist.all_reduce(param.grad, group=self.group)
 
     @property
     def shards(self) -> list[nn.Parameter]:
@@ -476,19 +503,39 @@ class FSDPUnit:
 # ----------------------------------------------------------------------------- API
 
 
+def policy_dtypes(mp_policy) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) of a mixed-precision policy (torch's ``MixedPrecisionPolicy``
+    or anything with those two attributes); reduce_dtype defaults to param_dtype, as in FSDP2."""
+    if mp_policy is None:
+        return None, None
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    return param_dtype, getattr(mp_policy, "reduce_dtype", None) or param_dtype
+
+
 def fully_shard(module: nn.Module, process_group=None, *, reshard_after_forward: bool = True,
-                prefetch: bool = True) -> nn.Module:
+                prefetch: bool = True, mp_policy=None, replicate_params=()) -> nn.Module:
     """Shard ``module``'s parameters (those not in a unit below it) over ``process_group``
     (default: all ranks) and gather/free them around its forward and backward.
 
     Call it on the blocks first, then on the root. Afterwards ``module.parameters()`` are
     this rank's shards: hand them to any elementwise optimizer (SGD, Adam, AdamW...).
     ``reshard_after_forward=False`` keeps the full parameters from forward to backward
-    (one all-gather less per step, more memory: ZeRO-2-like). Returns ``module``.
+    (one all-gather less per step, more memory: ZeRO-2-like).
+
+    ``mp_policy``: mixed precision as FSDP2 does it, e.g. torch's
+    ``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``: the
+    shards (and the optimizer state built on them) stay in their dtype, fp32 masters; the
+    parameters are all-gathered and used in ``param_dtype``; gradients are reduce-scattered in
+    ``reduce_dtype`` and land on the fp32 shards; floating inputs are cast to ``param_dtype``.
+    ``replicate_params``: parameters of ``module`` to keep whole on every rank (small ones,
+    such as norms); their gradients are averaged over the group during backward, like DDP's.
+    (torch's ``ignored_params`` also leaves parameters whole, but does not reduce their
+    gradients.) Returns ``module``.
     """
     if hasattr(module, UNIT_ATTR):
         raise ValueError(f"{type(module).__name__} is already sharded")
-    setattr(module, UNIT_ATTR, FSDPUnit(module, process_group, reshard_after_forward, prefetch))
+    unit = FSDPUnit(module, process_group, reshard_after_forward, prefetch, mp_policy, replicate_params)
+    setattr(module, UNIT_ATTR, unit)
     return module
 
 
@@ -502,8 +549,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every parameter full size (unpadded), on every rank.
     A collective: every rank of the group must call it."""
     units = units_of(model)
-    for unit in units:
-        unit.use(unit.all_gather())
+    dtypes = {id(p): p.param_dtype for unit in units for p in unit.params}
+    for unit in units:  # gather the fp32 masters, not their low-precision copies
+        for p in unit.params:
+            p.param_dtype = None
+    try:
+        for unit in units:
+            unit.use(unit.all_gather())
+    finally:
+        for unit in units:
+            for p in unit.params:
+                p.param_dtype = dtypes[id(p)]
     try:  # clone: a gathered parameter is a view of a padded buffer (torch.save would keep it)
         return {name: value.clone() for name, value in model.state_dict().items()}
     finally:
@@ -517,12 +573,22 @@ def step_bytes(model: nn.Module) -> dict[str, float]:
     from forward to backward), every trainable one reduce-scattered once; each x (N-1)/N.
     Phi counts the padding and a tied weight once. (A trainable parameter that gets no
     gradient, like ToyModel's ``unused``, is not reduce-scattered: subtract it yourself.)
+    With mixed precision the all-gathers move ``param_dtype`` and the reduce-scatters
+    ``reduce_dtype``; parameters kept whole (``replicate_params``) are all-reduced, 2 (N-1)/N.
     """
-    sent = dict(all_gather=0.0, reduce_scatter=0.0)
+    sent = dict(all_gather=0.0, reduce_scatter=0.0, all_reduce=0.0)
     for unit in units_of(model):
         share = (unit.world - 1) / unit.world
         for p in unit.params:
-            full_bytes = unit.world * p.shard.numel() * p.shard.element_size()
-            sent["all_gather"] += full_bytes * share * (2 if unit.reshard_after_forward else 1)
-            sent["reduce_scatter"] += full_bytes * share * p.shard.requires_grad
-    return dict(sent, total=sent["all_gather"] + sent["reduce_scatter"])
+            elements = unit.world * p.shard.numel()
+            gathered = elements * _itemsize(p.param_dtype or p.shard.dtype)
+            reduced = elements * _itemsize(p.reduce_dtype or p.param_dtype or p.shard.dtype)
+            sent["all_gather"] += gathered * share * (2 if unit.reshard_after_forward else 1)
+            sent["reduce_scatter"] += reduced * share * p.shard.requires_grad
+        for p in unit.replicated:
+            sent["all_reduce"] += 2 * share * p.numel() * p.element_size() * p.requires_grad
+    return dict(sent, total=sum(sent.values()))
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

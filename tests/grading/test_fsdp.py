@@ -401,3 +401,121 @@ def test_training_matches_single_process_and_fully_shard(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_prefetch_issues_all_gathers_early(world_size):
     run_graded("fsdp.prefetch", prefetch_on_rank, world_size)
+
+
+# ----------------------------------------------------------------------------- mixed precision
+
+
+MP_TOLERANCE = dict(rtol=1e-2, atol=1e-3)  # losses in bf16/fp16: ~3 significant digits
+
+
+def emulated_mixed_precision(model, x, y, param_dtype):
+    """One process, the same casts: the fp32 master weights copied to ``param_dtype`` for
+    forward and backward; the gradients cast back to fp32 onto the masters."""
+    names = dict(model.named_parameters())
+    low = {name: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for name, p in names.items()}
+    loss = torch.func.functional_call(model, low, (x, y))[1]
+    loss.backward()
+    for name, p in names.items():
+        if low[name].grad is not None:
+            p.grad = low[name].grad.float()
+    return loss
+
+
+def mixed_precision_on_rank(param_dtype, reduce_dtype):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from labkit.fsdp import fully_shard
+    from labkit.models import GPT, GPTConfig
+    one_thread()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ours, theirs, single = GPT(GPTConfig()), GPT(GPTConfig()), GPT(GPTConfig())
+    mesh = init_device_mesh("cpu", (n,))
+    for block in ours.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(ours, mp_policy=policy)
+    for block in theirs.blocks:
+        torch_fully_shard(block, mesh=mesh, mp_policy=policy)
+    torch_fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    seen = []
+    ours.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs, single)]
+    for step in range(STEPS):
+        x, y = batch("gpt", step)
+        with CommTracer() as tracer:
+            loss = ours(my_part(x), my_part(y))[1]
+            loss.backward()
+        their_loss = theirs(my_part(x), my_part(y))[1]
+        their_loss.backward()
+        what = f"fsdp.backward: mixed precision {param_dtype}/{reduce_dtype}, rank {rank} of {n}, step {step}"
+        assert_close(loss.float(), their_loss.float(), f"{what}: loss vs torch's fully_shard", **MP_TOLERANCE)
+        if n == 1:  # the whole batch here: the single process with the same casts must agree too
+            expected = emulated_mixed_precision(single, x, y, param_dtype)
+            assert_close(loss.float(), expected.float(), f"{what}: loss vs one process with the same casts", **MP_TOLERANCE)
+        assert loss.dtype == param_dtype and seen[-1] == param_dtype, \
+            f"{what}: forward must run in {param_dtype}; the loss is {loss.dtype}, the weights {seen[-1]}"
+        gathers = [e for e in tracer.events if e.kind == "all_gather"]
+        scatters = [e for e in tracer.events if e.kind == "reduce_scatter"]
+        assert gathers and {e.dtype for e in gathers} == {param_dtype}, \
+            f"{what}: all-gathers moved {sorted({str(e.dtype) for e in gathers})}, expected {param_dtype}"
+        assert scatters and {e.dtype for e in scatters} == {reduce_dtype or param_dtype}, \
+            f"{what}: reduce-scatters moved {sorted({str(e.dtype) for e in scatters})}, expected {reduce_dtype or param_dtype}"
+        for p in ours.parameters():
+            assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32), \
+                f"{what}: master shards and their gradients must stay float32 (got {p.dtype}, {p.grad.dtype})"
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    state = [v for s in opts[0].state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    assert state and all(v.dtype == torch.float32 for v in state), "fsdp.backward: optimizer state must be float32"
+
+
+@task("fsdp.backward", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_mixed_precision_like_fsdp2(world_size):
+    run_graded("fsdp.backward", mixed_precision_on_rank, world_size, torch.bfloat16, torch.float32)
+    run_graded("fsdp.backward", mixed_precision_on_rank, world_size, torch.float16, None)
+
+
+# ----------------------------------------------------------------------------- replicated parameters
+
+
+def replicated_on_rank():
+    from labkit.fsdp import fully_shard
+    from labkit.models import GPT, GPTConfig
+    one_thread()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ref, model = GPT(GPTConfig()).double(), GPT(GPTConfig()).double()
+    norms = lambda m: [p for name, p in m.named_parameters() if "ln_" in name]  # noqa: E731  LayerNorms
+    for block in model.blocks:
+        fully_shard(block, replicate_params=norms(block))
+    fully_shard(model, replicate_params=list(model.ln_f.parameters()))
+    whole = {name: p.shape for name, p in ref.named_parameters() if "ln_" in name}
+    opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (ref, model)]
+    for step in range(STEPS):
+        x, y = batch("gpt", step)
+        ref(x, y)[1].backward()
+        with CommTracer() as tracer:
+            model(my_part(x), my_part(y))[1].backward()
+        params = dict(model.named_parameters())
+        for name, shape in whole.items():
+            assert params[name].shape == shape, f"fsdp.backward: replicated {name} has shape {tuple(params[name].shape)}, not whole {tuple(shape)}"
+            assert_close(params[name].grad, dict(ref.named_parameters())[name].grad,
+                         f"fsdp.backward: rank {rank} of {n}, step {step}: the averaged gradient of replicated {name}")
+        if n > 1:
+            assert tracer.count("all_reduce") == len(whole), \
+                f"fsdp.backward: expected one all-reduce per replicated parameter ({len(whole)}), traced {tracer.count('all_reduce')}"
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        if name in whole:
+            assert_close(p, dict(ref.named_parameters())[name], f"fsdp.backward: rank {rank}: replicated {name} after {STEPS} steps")
+
+
+@task("fsdp.backward", points=2)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_replicated_parameters_stay_whole_and_equal(world_size):
+    run_graded("fsdp.backward", replicated_on_rank, world_size)
