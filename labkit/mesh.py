@@ -160,6 +160,8 @@ def dp_slice(x: torch.Tensor, grid: RankGrid) -> torch.Tensor:
     """This rank's part of a global batch: split along dim 0 over the DP axis only (TP and PP
     ranks of one replica see the same samples)."""
     d, dp = grid.coords(dist.get_rank())["dp"], grid.degrees["dp"]
+    if len(x) % dp:
+        raise ValueError(f"a global batch of {len(x)} does not split over dp={dp} replicas")
     share = len(x) // dp
     return x[d * share:(d + 1) * share]
 
@@ -274,12 +276,18 @@ def block_tensors(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
             (h, 1), (h, 1), (4 * h // tp, h), (4 * h // tp, 1), (h, 4 * h // tp), (h, 1)]
 
 
+def layers_on_stage(shape: ModelShape, layout: Layout, stage: int) -> int:
+    """Blocks on pipeline ``stage``: as even as possible, the first stages taking one more when
+    pp does not divide the layers (as ``labkit.pp.split_gpt(balance="layers")`` cuts)."""
+    whole, extra = divmod(shape.layers, layout.pp)
+    return whole + (stage < extra)
+
+
 def stage_tensors(shape: ModelShape, layout: Layout, stage: int) -> list[tuple[int, int]]:
     """(rows, columns) of the parameter tensors one rank of pipeline ``stage`` holds after
-    tensor parallelism (layers split evenly over the stages)."""
+    tensor parallelism."""
     h, tp = shape.hidden, layout.tp
-    per_stage = shape.layers // layout.pp
-    tensors = [t for _ in range(per_stage) for t in block_tensors(shape, tp)]
+    tensors = [t for _ in range(layers_on_stage(shape, layout, stage)) for t in block_tensors(shape, tp)]
     if stage == 0:
         tensors = [(shape.vocab // tp, h), (shape.seq, h)] + tensors       # wte (vocab-parallel), wpe
     if stage == layout.pp - 1:
@@ -307,23 +315,26 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, stage: int = 0, bytes_per_
                    master_bytes: int = 4) -> dict[str, float]:
     """Bytes per GPU of one rank of ``stage``: parameters and gradients in ``bytes_per_element``,
     AdamW's two moments (and an fp32 master copy when training in 16 bits) in ``master_bytes``,
-    sharded by ZeRO stage over the DP axis; activations from Korthikanti et al. (2022):
-    s b h (34 + 5 a s / h) bytes per layer in 16-bit training, divided by tp (with sequence
-    parallelism) and by cp, times the micro-batches a pipeline stage keeps in flight; with full
-    recomputation 2 s b h per layer plus one layer's worth."""
+    sharded by ZeRO stage over the data-parallel ranks (dp x cp: context-parallel ranks hold
+    the same weights, as in Megatron); activations from Korthikanti et al. (2022):
+    s b h (34 + 5 a s / h) bytes per layer in 16-bit training, with tensor + sequence
+    parallelism divided by tp; with cp each rank keeps s/cp of the tokens (scores against all
+    s keys); times the micro-batches a pipeline stage keeps in flight. With full recomputation
+    a layer keeps only its input, 2 s b h / tp, plus one layer's worth while it recomputes."""
     counts = parameters_on_rank(shape, replace_zero(layout, 0), stage)
     elements = counts["params"]
-    dp = layout.dp
+    dp = layout.dp * layout.cp
     params = elements * bytes_per_element / (dp if layout.zero >= 3 else 1)
     grads = elements * bytes_per_element / (dp if layout.zero >= 2 else 1)
     master = 0 if bytes_per_element == master_bytes else elements * master_bytes
     optimizer = (2 * elements * master_bytes + master) / (dp if layout.zero >= 1 else 1)
-    s, b, h, a = shape.seq // layout.cp, layout.microbatch, shape.hidden, shape.heads
-    per_layer = s * b * h * (34 + 5 * a * s / h) / layout.tp
-    layers = shape.layers // layout.pp
+    s, b, h, a = shape.seq, layout.microbatch, shape.hidden, shape.heads
+    local = s / layout.cp
+    per_layer = local * b * h * (34 + 5 * a * s / h) / layout.tp
+    layers = layers_on_stage(shape, layout, stage)
     in_flight = min(layout.pp - stage, layout.microbatches) if layout.pp > 1 else 1
     if layout.recompute:
-        activations = in_flight * layers * 2 * s * b * h + per_layer
+        activations = in_flight * layers * 2 * local * b * h / layout.tp + per_layer
     else:
         activations = in_flight * layers * per_layer
     return dict(params=params, grads=grads, optimizer=optimizer, activations=activations,
@@ -347,14 +358,18 @@ class Cluster:
 
 def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, global_batch: int,
               bytes_per_element: int = 2) -> dict[str, float]:
-    """A rough step time: compute 6 N tokens / (GPUs x FLOP/s x MFU) (8 N with recomputation),
-    stretched by the pipeline bubble (p - 1) / (m + p - 1); TP's 4 all-reduces of s b h per
-    layer per micro-batch on the intra-node links (inter-node if a TP group spans nodes);
-    the DP gradient all-reduce (or reduce-scatter + all-gather) of the rank's parameters on
-    the inter-node links, not overlapped. Seconds."""
-    params = 12 * shape.layers * shape.hidden ** 2 + shape.vocab * shape.hidden
+    """A rough step time: compute (6 N + 12 L h s) FLOPs per token (Narayanan et al. 2021; 8 N +
+    16 L h s with recomputation) over GPUs x FLOP/s x MFU, stretched by the pipeline bubble
+    (p - 1) / (m + p - 1); TP's 4 all-reduces of s b h per layer per micro-batch on the
+    intra-node links (inter-node if a TP group spans nodes); the DP gradient all-reduce (or
+    reduce-scatter + all-gather) of the rank's parameters, on the intra-node links if the
+    whole grid fits in one node, else the inter-node ones, not overlapped. Pipeline and
+    context-parallel messages are left out (small next to these). Seconds."""
+    params = 12 * shape.layers * shape.hidden ** 2 + shape.vocab * shape.hidden * (1 if shape.tied else 2)
     tokens = global_batch * shape.seq
-    compute = (8 if layout.recompute else 6) * params * tokens / (layout.gpus * cluster.flops * cluster.mfu)
+    attention = 12 * shape.layers * shape.hidden * shape.seq
+    per_token = 8 * params + attention * 4 / 3 if layout.recompute else 6 * params + attention
+    compute = per_token * tokens / (layout.gpus * cluster.flops * cluster.mfu)
     m = max(layout.microbatches, 1)
     bubble = (layout.pp - 1) / (m + layout.pp - 1)
     s, b, h = shape.seq // layout.cp, layout.microbatch, shape.hidden
@@ -364,7 +379,8 @@ def step_time(shape: ModelShape, layout: Layout, cluster: Cluster, global_batch:
         * s * b * h * bytes_per_element if layout.tp > 1 else 0.0
     tp_comm = tp_bytes / tp_link
     rank_params = params / (layout.tp * layout.pp)
-    dp_comm = 2 * (layout.dp - 1) / layout.dp * rank_params * bytes_per_element / cluster.inter_node \
+    dp_link = cluster.intra_node if layout.gpus <= cluster.gpus_per_node else cluster.inter_node
+    dp_comm = 2 * (layout.dp - 1) / layout.dp * rank_params * bytes_per_element / dp_link \
         * (1.5 if layout.zero >= 3 else 1.0)
     busy = compute + tp_comm
     total = busy / (1 - bubble) + dp_comm

@@ -90,8 +90,79 @@ def _ring_vs_builtin(numel: int, repeats: int) -> dict:
     return dict(medians, sent=sent)
 
 
+def pipelined_ring_all_reduce(tensor: torch.Tensor, group=None, segments: int = 4) -> None:
+    """A ring all-reduce that overlaps its additions with its transfers (lab 00, "closing the
+    gap"): every chunk is cut into ``segments``, and each segment moves on to the next step as
+    soon as it has been added, instead of the whole chunk waiting for the whole step. The
+    reduce-scatter and all-gather steps run as one pipeline; the bytes on the wire are the
+    ring's 2 (N-1)/N S, in 2 (N-1) x segments messages."""
+    from labkit.collectives import ring_neighbours
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return
+    flat = tensor.reshape(-1)
+    chunk = -(-flat.numel() // n)
+    seg = -(-chunk // segments)
+    buf = torch.zeros(n * chunk, dtype=tensor.dtype, device=tensor.device)
+    buf[:flat.numel()] = flat
+    chunks = buf.view(n, chunk)
+    bounds = [(a, min(a + seg, chunk)) for a in range(0, chunk, seg)]
+    to, frm = ring_neighbours(group)
+    steps = 2 * (n - 1)
+    incoming = torch.empty(chunk, dtype=tensor.dtype, device=tensor.device)
+
+    def sent_chunk(k):  # reduce-scatter step k sends the partial sum of chunk me - k; all-gather forwards
+        return (me - k) % n if k < n - 1 else (me + 1 - (k - (n - 1))) % n
+
+    def received_chunk(k):
+        return (me - k - 1) % n if k < n - 1 else (me - (k - (n - 1))) % n
+
+    def post(k, j):  # step k's segment j: send it, and receive the neighbour's
+        a, b = bounds[j]
+        tag = k * len(bounds) + j
+        into = incoming[a:b] if k < n - 1 else chunks[received_chunk(k), a:b]
+        return (dist.isend(chunks[sent_chunk(k), a:b], dst=to, group=group, tag=tag),
+                dist.irecv(into, src=frm, group=group, tag=tag))
+
+    pending = {(0, j): post(0, j) for j in range(len(bounds))}
+    sends = []
+    for k in range(steps):
+        for j, (a, b) in enumerate(bounds):
+            send, received = pending.pop((k, j))
+            received.wait()
+            sends.append(send)
+            if k < n - 1:
+                chunks[received_chunk(k), a:b] += incoming[a:b]
+            if k + 1 < steps:
+                pending[(k + 1, j)] = post(k + 1, j)
+    for send in sends:
+        send.wait()
+    tensor.copy_(buf[:flat.numel()].view_as(tensor))
+
+
+def _pipelined_vs_builtin(numel: int, repeats: int) -> dict:
+    from labkit.comm import CommTracer
+    make_input = lambda: torch.ones(numel)  # noqa: E731
+    medians = interleaved_medians({"ours": pipelined_ring_all_reduce, "builtin": dist.all_reduce},
+                                  make_input, repeats)
+    with CommTracer() as tracer:
+        pipelined_ring_all_reduce(make_input())
+    return dict(medians, sent=sum(e.bytes for e in tracer.events if e.kind == "send"))
+
+
+@row("ring_all_reduce_pipelined")
+def pipelined_ring_row(repeats: int = 15, world_size: int = 2, megabytes: float = 16) -> BenchRow:
+    """a ring all-reduce with segments in flight (lab 00, closing the gap) vs dist.all_reduce"""
+    numel = int(megabytes * 2 ** 20) // 4
+    result = launch(_pipelined_vs_builtin, world_size, numel, repeats)[0]
+    return BenchRow(f"pipelined ring all-reduce vs dist.all_reduce, {megabytes:g} MB fp32, {world_size} ranks",
+                    result["ours"], result["builtin"], result["sent"],
+                    2 * (world_size - 1) / world_size * numel * 4)
+
+
 @row("ring_all_reduce")
 def ring_all_reduce_row(repeats: int = 15, world_size: int = 2, megabytes: float = 16) -> BenchRow:
+    """the learner's ring all-reduce (chapter 00) vs dist.all_reduce, 16 MB"""
     numel = int(megabytes * 2 ** 20) // 4
     result = launch(_ring_vs_builtin, world_size, numel, repeats)[0]
     size = numel * 4
@@ -133,6 +204,7 @@ def _dp_step_vs_ddp(repeats: int) -> dict:
 
 @row("dp_average_gradients")
 def dp_average_gradients_row(repeats: int = 15, world_size: int = 2) -> BenchRow:
+    """average_gradients after backward (chapter 01) vs DDP"""
     r = launch(_dp_step_vs_ddp, world_size, repeats)[0]
     formula = 2 * (world_size - 1) / world_size * r["grad_bytes"]
     return BenchRow(f"GPT step, average_gradients vs DDP, {r['grad_bytes'] / 2**20:.2f} MB grads, {world_size} ranks",
@@ -163,6 +235,7 @@ def _ddp_vs_builtin(repeats: int, batch: int) -> dict:
 
 @row("ddp")
 def ddp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """the learner's DDP (chapter 02) vs DistributedDataParallel, a full GPT step"""
     r = launch(_ddp_vs_builtin, world_size, repeats, batch, timeout=600)[0]
     return BenchRow(f"GPT step, labkit DDP vs DistributedDataParallel, {world_size} ranks",
                     r["ours"], r["builtin"], r["sent"], 2 * (world_size - 1) / world_size * r["grad_bytes"],
@@ -217,11 +290,13 @@ def _zero_row(stage: int, repeats: int, world_size: int, batch: int) -> BenchRow
 
 @row("zero1")
 def zero1_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """ZeRO-1 (chapter 03) vs ZeroRedundancyOptimizer"""
     return _zero_row(1, repeats, world_size, batch)
 
 
 @row("zero2")
 def zero2_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """ZeRO-2 (chapter 03) vs DDP + ZeroRedundancyOptimizer"""
     return _zero_row(2, repeats, world_size, batch)
 
 
@@ -260,6 +335,7 @@ def _fsdp_vs_fully_shard(repeats: int, batch: int) -> dict:
 
 @row("fsdp")
 def fsdp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """the learner's fully_shard (chapter 04) vs torch's fully_shard"""
     r = launch(_fsdp_vs_fully_shard, world_size, repeats, batch, timeout=600)[0]
     # formula: 3 x (N-1)/N x Phi (two all-gathers, one reduce-scatter; Phi padded). torch's
     # fully_shard keeps the root unit gathered from forward to backward: it sends a little less.
@@ -267,6 +343,41 @@ def fsdp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow
                     r["ours"], r["builtin"], r["sent"]["ours"], r["formula"],
                     extra={"torch_sent": r["sent"]["builtin"], "param_bytes_full": r["full_bytes"],
                            "param_bytes_rank0": r["shard_bytes"], "torch_param_bytes_rank0": r["torch_shard_bytes"]})
+
+
+# ----------------------------------------------------------------------------- fsdp, mixed precision
+
+def _fsdp_mixed_vs_fully_shard(repeats: int, batch: int) -> dict:
+    """A training step of the FSDP lab's GPT with bf16 parameters and fp32 reductions, with
+    labkit.fsdp.fully_shard and torch's fully_shard under the same MixedPrecisionPolicy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from labkit import fsdp
+    from labkit.models import GPT, GPTConfig
+    config = GPTConfig(**FSDP_BENCH_GPT)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = {"ours": GPT(config), "builtin": GPT(config)}
+    for shard, model in ((lambda m: fsdp.fully_shard(m, mp_policy=policy), models["ours"]),
+                         (lambda m: torch_fully_shard(m, mesh=mesh, mp_policy=policy), models["builtin"])):
+        for block in model.blocks:
+            shard(block)
+        shard(model)
+    optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
+    sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
+    return dict(medians, sent=sent, formula=fsdp.step_bytes(models["ours"])["total"])
+
+
+@row("fsdp_mixed_precision")
+def fsdp_mixed_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """mixed-precision FSDP (bf16 params, fp32 reduce) vs torch's fully_shard with the same policy"""
+    r = launch(_fsdp_mixed_vs_fully_shard, world_size, repeats, batch, timeout=600)[0]
+    # formula: 2 all-gathers in bf16 + 1 reduce-scatter in fp32 of the padded shards, (N-1)/N each
+    return BenchRow(f"GPT step, bf16 params / fp32 reduce, labkit fully_shard vs torch fully_shard, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"]["ours"], r["formula"], extra={"torch_sent": r["sent"]["builtin"]})
 
 
 # ----------------------------------------------------------------------------- tp (chapter 05)
@@ -344,6 +455,7 @@ def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
 
 @row("tp")
 def tp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
+    """the learner's tensor parallelism (chapter 05) vs parallelize_module"""
     r = launch(_tp_vs_parallelize_module, world_size, repeats, batch, timeout=600)[0]
     # formula: per step 2(1 + 2L) all-reduces of B*T*H (embedding, 2 per block, head; forward
     # and backward) and 3 of B*T (the loss), each 2(N-1)/N of its size on the wire.
@@ -414,11 +526,13 @@ def _pp_row(world_size: int, repeats: int, microbatches: int | None, micro_batch
 
 @row("pp")
 def pp_row(repeats: int = 10, world_size: int = 2, microbatches: int | None = None, micro_batch: int = 4) -> BenchRow:
+    """the learner's 1F1B (chapter 06) vs Schedule1F1B, 2 ranks"""
     return _pp_row(world_size, repeats, microbatches, micro_batch)
 
 
 @row("pp_4")
 def pp4_row(repeats: int = 10, world_size: int = 4, microbatches: int | None = None, micro_batch: int = 4) -> BenchRow:
+    """the learner's 1F1B (chapter 06) vs Schedule1F1B, 4 ranks"""
     return _pp_row(world_size, repeats, microbatches, micro_batch)
 
 
@@ -469,11 +583,13 @@ def _attention_row(kind: str, repeats: int, world_size: int) -> BenchRow:
 
 @row("sp_ring")
 def sp_ring_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
+    """ring attention (chapter 07) vs unsharded SDPA"""
     return _attention_row("ring", repeats, world_size)
 
 
 @row("sp_ulysses")
 def sp_ulysses_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
+    """Ulysses (chapter 07) vs unsharded SDPA"""
     return _attention_row("ulysses", repeats, world_size)
 
 
@@ -539,6 +655,7 @@ def _megatron_sp_vs_builtin(repeats: int, batch: int) -> dict:
 
 @row("sp_megatron")
 def sp_megatron_row(repeats: int = 10, world_size: int = 2, batch: int = 4) -> BenchRow:
+    """the Megatron-SP block (chapter 07) vs torch's SequenceParallel plan"""
     r = launch(_megatron_sp_vs_builtin, world_size, repeats, batch, timeout=600)[0]
     return BenchRow(f"transformer block fwd+bwd, labkit.sp Megatron-SP vs SequenceParallel plan, {world_size} ranks",
                     r["ours"], r["builtin"], r["sent"]["ours"], r["formula"],
@@ -601,6 +718,7 @@ def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
 
 @row("mesh")  # formula: TP's all-reduces (chapter 05) + FSDP's 3 (N-1)/N of the padded shards (chapter 04)
 def mesh_row(repeats: int = 10, world_size: int = 4, batch: int = 4) -> BenchRow:
+    """2-D FSDP x TP from the learner's parts (chapter 08) vs fully_shard + parallelize_module"""
     dp, tp = 2, world_size // 2
     r = launch(_2d_vs_builtin, world_size, repeats, dp, tp, batch, timeout=600)[0]
     return BenchRow(f"GPT step on a {dp}x{tp} dp x tp mesh, labkit 2-D vs fully_shard + parallelize_module",

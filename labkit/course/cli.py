@@ -82,6 +82,10 @@ def cmd_autograder(args, root: Path) -> int:
 
 def cmd_bench(args, root: Path | None) -> int:
     from labkit.course import bench
+    if args.list:
+        for name, fn in bench.ROWS.items():
+            print(f"{name:<28} {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+        return 0
     if root is not None:
         print(f"labkit bench: the implementations of {tree_label(root)}", flush=True)
     options = {k: v for k, v in (("repeats", args.repeats), ("world_size", args.world_size)) if v}
@@ -123,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rows", nargs="*", help="rows to run (default: all)")
     bench.add_argument("--repeats", type=int, help="timed repetitions per side")
     bench.add_argument("--world-size", type=int, help="ranks")
+    bench.add_argument("--list", action="store_true", help="list the rows and exit")
     bench.set_defaults(run=cmd_bench, outside_ok=True)
     return parser
 
