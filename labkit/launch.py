@@ -162,7 +162,7 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
-    payload = cloudpickle.dumps((fn, args, kwargs))  # fails here, before any process starts
+    payload = _serialise(fn, args, kwargs)  # fails here, before any process starts
     for restart in range(max_restarts + 1):
         try:
             return _launch_once(payload, world_size, backend, timeout, detect_deadlock, restart)
@@ -172,6 +172,18 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
             print(f"[launch] rank {error.rank} failed ({error.exc_type}: {error.message.splitlines()[0]}); "
                   f"restarting every rank ({restart + 1} of {max_restarts})", flush=True)
     raise AssertionError("unreachable")
+
+
+def _serialise(fn, args, kwargs) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as error:  # noqa: BLE001 - re-raised with what to do about it
+        raise TypeError(
+            f"launch() cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: {error}. "
+            "A function defined in a notebook or script travels with the globals it names, and a "
+            "name used as an attribute (x.config, self.ops) counts too: if a global of that name "
+            "holds something unpicklable (a lock, a module object), rename it, or define the "
+            "function in a module.") from error
 
 
 def restart_count() -> int:

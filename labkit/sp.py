@@ -8,9 +8,12 @@ Three ways to split the *sequence* over N ranks:
   (chapter 05): the parts TP leaves replicated (LayerNorm, residual adds, dropout) run on
   T/N tokens each. Where TP would all-reduce after a row-parallel layer, SP reduce-scatters
   along the sequence; before a column-parallel layer it all-gathers the sequence back. An
-  all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same, and every
-  activation outside the TP region shrinks by N. LayerNorm's weights see only T/N tokens
-  per rank: their gradients are partial sums, added over the group after backward.
+  all-reduce is a reduce-scatter plus an all-gather, so the bytes are the same, and the
+  activations outside the TP region shrink by N — except the all-gathered input each column
+  layer keeps for its weight gradient (Megatron-LM keeps only the shard and gathers it again
+  in backward: one more all-gather for B·T·H less memory per layer). LayerNorm's weights see
+  only T/N tokens per rank: their gradients are partial sums, added over the group after
+  backward.
 * Ring attention (Liu et al., 2023): each rank keeps its T/N queries and passes its keys and
   values around the ring; after N-1 steps every query has seen every key. Blockwise
   attention with an *online softmax* (Milakov & Gimelshein 2018; Dao et al. 2022) merges
@@ -71,12 +74,12 @@ class GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # BEGIN SOLUTION sp.megatron: all_gather_into_tensor of x moved to the front (x.transpose(0, 1)), then back: [B, T, H]
+        # BEGIN SOLUTION sp.megatron: all_gather_single of x with the sequence dim moved to the front (x.transpose(0, 1)), then back: [B, T, H]
         ctx.group = group
         n = degree(group)
         shards = x.transpose(0, 1).contiguous()  # [T/N, B, H]: shards of dim 0 stack in rank order
         full = shards.new_empty((n * shards.shape[0], *shards.shape[1:]))
-        dist.all_gather_into_tensor(full, shards, group=group)
+        dist.all_gather_single(full, shards, group=group)
         return full.transpose(0, 1).contiguous()
         # END SOLUTION
 
@@ -109,7 +112,7 @@ def _reduce_scatter_sequence(x, group):
     n = degree(group)
     full = x.transpose(0, 1).contiguous()  # [T, B, H]
     shard = full.new_empty((full.shape[0] // n, *full.shape[1:]))
-    dist.reduce_scatter_tensor(shard, full, group=group)
+    dist.reduce_scatter_single(shard, full, group=group)
     return shard.transpose(0, 1).contiguous()
 
 
