@@ -501,6 +501,24 @@ def _torchrun_store():
 
 def _destroy_process_group() -> None:
     if dist.is_initialized():
+        release_process_groups()
+
+
+def release_process_groups() -> None:
+    """``dist.destroy_process_group()``, and make sure the groups are really gone.
+
+    A gloo group that something still references outlives ``destroy_process_group`` into
+    interpreter shutdown, where its worker threads can abort the process (SIGABRT,
+    "terminate called without an active exception"). DTensor caches sharding decisions and,
+    with them, every ``DeviceMesh`` it saw, and a mesh holds its groups: drop those references
+    first. Safe to call when no group exists."""
+    import gc
+    from torch.distributed.device_mesh import DeviceMesh
+    gc.collect()
+    for obj in gc.get_objects():
+        if DeviceMesh in type(obj).__mro__:  # not isinstance: it would probe every object's class
+            getattr(obj, "_pg_registry", {}).clear()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

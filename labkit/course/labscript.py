@@ -19,7 +19,7 @@ import sys
 
 import torch.distributed as dist
 
-from labkit.launch import launch, under_torchrun
+from labkit.launch import launch, release_process_groups, under_torchrun
 
 
 def lab_arguments(doc: str) -> argparse.ArgumentParser:
@@ -44,6 +44,5 @@ def run_lab(main, report, args, *main_args) -> None:
     else:
         with contextlib.redirect_stdout(io.StringIO()):
             ok = report(results)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    release_process_groups()  # a group left alive can abort the process at exit
     sys.exit(0 if ok else 1)
