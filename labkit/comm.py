@@ -87,6 +87,10 @@ class CommTracer(TorchDispatchMode):
         self.events: list[CommEvent] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(_is_dtensor_type(t) for t in types):
+            # Let DTensor run first: the collectives it issues to carry out the op then come
+            # back through this mode (the way torch's CommDebugMode sees them).
+            return NotImplemented
         kwargs = kwargs or {}
         kind = OP_KINDS.get(func._opname) if func.namespace in NAMESPACES else None
         issued = time.perf_counter()
@@ -132,6 +136,11 @@ class CommTracer(TorchDispatchMode):
         for kind, row in sorted(self.summary().items()):
             lines.append(f"{kind:<16}{row['calls']:>7}{row['bytes']:>14,}{row['wire_bytes']:>14,.0f}")
         return "\n".join(lines)
+
+
+def _is_dtensor_type(cls) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(cls, type) and issubclass(cls, DTensor)
 
 
 def _tensor_bytes(value) -> int:
