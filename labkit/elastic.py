@@ -160,8 +160,13 @@ def put_optimizer_rows(optimizer, model: nn.Module, rows: dict[str, torch.Tensor
 
 
 def file_digest(path: Path) -> dict:
-    data = path.read_bytes()
-    return dict(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    """Size and SHA-256 of a file, read in blocks (shards can be gigabytes)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+            size += len(block)
+    return dict(bytes=size, sha256=digest.hexdigest())
 
 
 # ----------------------------------------------------------------------------- the state of a rank
@@ -224,9 +229,12 @@ def save_checkpoint(state: dict, root, step: int, keep: int = 2, crash_at: str |
     rank, world = dist.get_rank(), dist.get_world_size()
     final = checkpoint_dir(root, step)
     staging = final.with_name(final.name + ".partial")
+    if rank == 0 and staging.exists():
+        shutil.rmtree(staging)  # left by a save that died: none of its files may slip in
+    dist.barrier()
     staging.mkdir(parents=True, exist_ok=True)
     name = f"rank{rank}.pt"
-    _maybe_crash(crash_at, "write", rank, staging / name)
+    _maybe_crash(crash_at, "write", rank, staging / (name + ".tmp"))
     torch.save(state, staging / (name + ".tmp"))
     os.replace(staging / (name + ".tmp"), staging / name)
     index = {key: (list(piece.shape), piece.start, len(piece.tensor) if piece.tensor.dim() else 0)
@@ -245,9 +253,11 @@ def save_checkpoint(state: dict, root, step: int, keep: int = 2, crash_at: str |
         (staging / (METADATA + ".tmp")).write_text(json.dumps(metadata))
         os.replace(staging / (METADATA + ".tmp"), staging / METADATA)
         _maybe_crash(crash_at, "rename", rank)
-        if final.exists():
-            shutil.rmtree(final)  # an older save of this very step
+        replaced = final.with_name(final.name + ".replaced")
+        if final.exists():  # an older save of this very step: keep it until the new one is in place
+            os.rename(final, replaced)
         os.rename(staging, final)  # the one atomic step: from here on the checkpoint exists
+        shutil.rmtree(replaced, ignore_errors=True)
         for old in sorted(_step_dirs(root))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -259,7 +269,7 @@ def _maybe_crash(crash_at: str | None, stage: str, rank: int, half_written: Path
     """Fault injection for the atomicity tests: rank 0 dies at ``stage``."""
     if crash_at != stage or rank != 0:
         return
-    if half_written is not None:  # a torn write: half a file, then death
+    if half_written is not None:  # a torn write (of the .tmp file it writes first), then death
         half_written.write_bytes(b"\x80\x02partial")
     os.kill(os.getpid(), 9)
 

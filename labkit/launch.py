@@ -147,8 +147,9 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
     ``timeout``: seconds before a hang is reported with every rank's stack.
     ``detect_deadlock``: report ranks that all wait on each other within seconds, not at
     the timeout (see ``labkit.course.deadlock``).
-    ``max_restarts``: like torchrun's: when a rank fails (raises, or dies: SIGKILL, a crash),
-    stop every rank and start them all again, up to this many times. The ranks of attempt k
+    ``max_restarts``: like torchrun's: when a rank fails (raises, or dies: SIGKILL, a crash;
+    not a stub's NotImplementedError), stop every rank and start them all again, up to this
+    many times (under torchrun, restarts are torchrun's own). The ranks of attempt k
     see ``restart_count() == k`` (env ``LABKIT_RESTART_COUNT`` and, as under torchrun,
     ``TORCHELASTIC_RESTART_COUNT``): resuming from a checkpoint is theirs to do (chapter 09).
     """
@@ -167,8 +168,8 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
         try:
             return _launch_once(payload, world_size, backend, timeout, detect_deadlock, restart)
         except WorkerError as error:
-            if restart == max_restarts:
-                raise
+            if restart == max_restarts or error.exc_type == "NotImplementedError":
+                raise  # a stub fails the same way every time: restarting would only repeat it
             print(f"[launch] rank {error.rank} failed ({error.exc_type}: {error.message.splitlines()[0]}); "
                   f"restarting every rank ({restart + 1} of {max_restarts})", flush=True)
     raise AssertionError("unreachable")

@@ -31,14 +31,16 @@ def lab_arguments(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def run_lab(main, report, args, *main_args) -> None:
+def run_lab(main, report, args, *main_args, max_restarts: int = 0) -> None:
     """Run ``main(*main_args)`` on every rank, ``report(results)`` the outcome, and exit.
 
     Under torchrun every rank holds every result: rank 0 prints the report, the others
-    reach the same verdict silently, so all exit with the same status.
+    reach the same verdict silently, so all exit with the same status. ``max_restarts``: as
+    ``launch``'s (without torchrun; under torchrun use its ``--max-restarts``).
     """
     world_size = int(os.environ.get("WORLD_SIZE", args.world_size))
-    results = launch(main, world_size, *main_args, backend=args.backend, timeout=args.timeout)
+    results = launch(main, world_size, *main_args, backend=args.backend, timeout=args.timeout,
+                     max_restarts=max_restarts)
     if not under_torchrun() or dist.get_rank() == 0:
         ok = report(results)
     else:
