@@ -294,8 +294,11 @@ class FSDPUnit:
         whole = {id(p) for p in self.replicated}
         owned: dict[int, ShardedParam] = {}
         originals = []
+        self.whole_places = []  # (module, name, parameter) of every use of a replicated parameter
         for m in unit_modules(module):
             for name, p in m._parameters.items():
+                if p is not None and id(p) in whole:
+                    self.whole_places.append((m, name, p))
                 if p is None or id(p) in whole:
                     continue
                 if id(p) in taken:
@@ -321,6 +324,11 @@ class FSDPUnit:
         self.param_dtype = policy_dtypes(mp_policy)[0]
         if self.param_dtype is not None and getattr(mp_policy, "cast_forward_inputs", True):
             module.register_forward_pre_hook(self.cast_inputs)  # before pre_forward: hooks run in order
+        if self.param_dtype is not None and self.whole_places:
+            # Replicated parameters compute in param_dtype too: a cast copy for the forward
+            # (its gradient flows back through the cast onto the fp32 parameter).
+            module.register_forward_pre_hook(self.cast_replicated)
+            module.register_forward_hook(self.uncast_replicated, always_call=True)
         module.register_forward_pre_hook(self.pre_forward)
         module.register_forward_hook(self.post_forward, always_call=True)
         for p in self.replicated:  # whole on every rank: average their gradients, as DDP does
@@ -330,6 +338,14 @@ class FSDPUnit:
     def cast_inputs(self, module, args):
         """Mixed precision: floating-point inputs enter the unit in ``param_dtype``."""
         return tree_map_only(torch.Tensor, lambda t: t.to(self.param_dtype) if t.is_floating_point() else t, args)
+
+    def cast_replicated(self, module, args):
+        for m, name, p in self.whole_places:
+            m._parameters[name] = p.to(self.param_dtype)
+
+    def uncast_replicated(self, module, args, output):
+        for m, name, p in self.whole_places:
+            m._parameters[name] = p
 
     def average_replicated(self, param: torch.Tensor) -> None:
         """A parameter kept whole (``replicate_params``): its gradient, just accumulated, is
@@ -528,7 +544,8 @@ def fully_shard(module: nn.Module, process_group=None, *, reshard_after_forward:
     parameters are all-gathered and used in ``param_dtype``; gradients are reduce-scattered in
     ``reduce_dtype`` and land on the fp32 shards; floating inputs are cast to ``param_dtype``.
     ``replicate_params``: parameters of ``module`` to keep whole on every rank (small ones,
-    such as norms); their gradients are averaged over the group during backward, like DDP's.
+    such as norms); their gradients are averaged over the group during backward, like DDP's
+    (in their own dtype; with ``mp_policy`` they compute in ``param_dtype`` like the rest).
     (torch's ``ignored_params`` also leaves parameters whole, but does not reduce their
     gradients.) Returns ``module``.
     """

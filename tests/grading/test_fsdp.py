@@ -422,7 +422,7 @@ def emulated_mixed_precision(model, x, y, param_dtype):
     return loss
 
 
-def mixed_precision_on_rank(param_dtype, reduce_dtype):
+def mixed_precision_on_rank(param_dtype, reduce_dtype, replicate=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -433,14 +433,19 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype):
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ours, theirs, single = GPT(GPTConfig()), GPT(GPTConfig()), GPT(GPTConfig())
     mesh = init_device_mesh("cpu", (n,))
+    # replicate: the LayerNorms and the output-projection biases kept whole; they must compute
+    # in param_dtype too (torch shards them all: the same numbers, another route for the gradients)
+    kept = lambda m: [p for name, p in m.named_parameters()  # noqa: E731
+                      if "ln_" in name or name.endswith("c_proj.bias")] if replicate else []
     for block in ours.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(ours, mp_policy=policy)
+        fully_shard(block, mp_policy=policy, replicate_params=kept(block))
+    fully_shard(ours, mp_policy=policy, replicate_params=kept(ours.ln_f))
     for block in theirs.blocks:
         torch_fully_shard(block, mesh=mesh, mp_policy=policy)
     torch_fully_shard(theirs, mesh=mesh, mp_policy=policy)
     seen = []
     ours.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    ours.blocks[0].ln_1.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs, single)]
     for step in range(STEPS):
         x, y = batch("gpt", step)
@@ -454,8 +459,8 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype):
         if n == 1:  # the whole batch here: the single process with the same casts must agree too
             expected = emulated_mixed_precision(single, x, y, param_dtype)
             assert_close(loss.float(), expected.float(), f"{what}: loss vs one process with the same casts", **MP_TOLERANCE)
-        assert loss.dtype == param_dtype and seen[-1] == param_dtype, \
-            f"{what}: forward must run in {param_dtype}; the loss is {loss.dtype}, the weights {seen[-1]}"
+        assert loss.dtype == param_dtype and set(seen[-2:]) == {param_dtype}, \
+            f"{what}: forward must run in {param_dtype}; the loss is {loss.dtype}, the weights {seen[-2:]}"
         gathers = [e for e in tracer.events if e.kind == "all_gather"]
         scatters = [e for e in tracer.events if e.kind == "reduce_scatter"]
         assert gathers and {e.dtype for e in gathers} == {param_dtype}, \
@@ -475,7 +480,7 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype):
 @task("fsdp.backward", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_mixed_precision_like_fsdp2(world_size):
-    run_graded("fsdp.backward", mixed_precision_on_rank, world_size, torch.bfloat16, torch.float32)
+    run_graded("fsdp.backward", mixed_precision_on_rank, world_size, torch.bfloat16, torch.float32, True)
     run_graded("fsdp.backward", mixed_precision_on_rank, world_size, torch.float16, None)
 
 
