@@ -19,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", "/usr/bin/chromium") if Path(p).exists()), None)
 WANTED = os.environ.get("LABKIT_BROWSER") == "1" or os.environ.get("LABKIT_CI") == "1"
 RUN_ALL_LIMIT = 600   # seconds for one notebook's cells
+TOKEN = uuid.uuid4().hex  # the server's token: the browser logs in with it, the API calls carry it
 CHANGE_LIMIT = 30     # seconds for a widget to redraw after a control moves
 
 
@@ -74,12 +77,18 @@ def jupyterlab(tmp_path_factory):
                JUPYTER_DATA_DIR=str(base / "data"), JUPYTER_RUNTIME_DIR=str(base / "runtime"),
                JUPYTERLAB_SETTINGS_DIR=str(base / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(base / "workspaces"),
                IPYTHONDIR=str(base / "ipython"))
+    # The one setting changed from JupyterLab's defaults: notebook windowing off, so that every
+    # cell's prompt is in the page and the test can tell which cells ran. It changes what the
+    # browser draws, not how the kernel runs callbacks (commsOverSubshells stays at its default).
+    tracker = base / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    tracker.parent.mkdir(parents=True)
+    tracker.write_text(json.dumps({"windowingMode": "none"}))
     for attempt in range(3):  # a port taken between our probe and the server's bind: try another
         port = free_port()
         log = open(base / f"server-{attempt}.log", "w")
         server = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ServerApp.port_retries=0",
-             "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=", "--ServerApp.password=",
+             "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={TOKEN}", "--ServerApp.password=",
              "--ServerApp.allow_root=True", f"--ServerApp.root_dir={course}", "--LabApp.news_url=None",
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -179,6 +188,27 @@ def move(kind: str, control, forward: bool) -> None:
         control.press("Enter")
 
 
+def shut_down_kernels(url: str) -> None:
+    """Each notebook's kernel ends with its test, so a slow one cannot run on into the next."""
+    headers = {"Authorization": f"token {TOKEN}"}
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions", headers=headers), timeout=30) as reply:
+        sessions = json.load(reply)
+    for session in sessions:
+        request = urllib.request.Request(f"{url}/api/sessions/{session['id']}", method="DELETE", headers=headers)
+        urllib.request.urlopen(request, timeout=60).close()
+
+
+def run_all_finished(page) -> bool:
+    """Every code cell has run, or one stopped Run All with an error (reported below). Not
+    merely "no cell is busy": that is also true in the moment before the first cell starts."""
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    if any("[*]" in p for p in prompts):
+        return False
+    if all("[ ]" not in p for p in prompts):
+        return True
+    return page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() > 0
+
+
 def run_all(page, notebook: str) -> None:
     """Run > Run All Cells, from the menu bar (the menu can miss a click while JupyterLab
     is still laying out: try again)."""
@@ -205,14 +235,13 @@ def test_widgets_render_and_respond_in_jupyterlab(jupyterlab, browser, notebook,
     console_errors = []
     page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
     try:
-        page.goto(f"{url}/lab/tree/{notebook}", wait_until="domcontentloaded")
+        # a workspace of its own, so JupyterLab does not reopen the notebooks of earlier tests
+        page.goto(f"{url}/lab/workspaces/{uuid.uuid4().hex}/tree/{notebook}?reset&token={TOKEN}", wait_until="domcontentloaded")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
         wait_for(lambda: "Idle" in page.locator(".jp-StatusBar-Widget, #jp-main-statusbar").first.inner_text(),
                  120, f"{notebook}: the kernel never became idle")
         run_all(page, notebook)
-        started = time.monotonic()
-        wait_for(lambda: page.locator(".jp-InputPrompt:has-text('[*]')").count() == 0
-                 and time.monotonic() - started > 3, RUN_ALL_LIMIT, f"{notebook}: Run All did not finish")
+        wait_for(lambda: run_all_finished(page), RUN_ALL_LIMIT, f"{notebook}: Run All did not finish")
         wait_for(lambda: "Idle" in page.locator("#jp-main-statusbar").first.inner_text(), 60,
                  f"{notebook}: the kernel stayed busy after Run All")
         prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
@@ -246,3 +275,4 @@ def test_widgets_render_and_respond_in_jupyterlab(jupyterlab, browser, notebook,
         raise
     finally:
         page.close()
+        shut_down_kernels(url)
