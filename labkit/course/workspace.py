@@ -9,6 +9,7 @@ chapters, labs and tests come along unchanged (lab outputs are cleared).
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import shutil
@@ -89,13 +90,18 @@ def find_regions(path: Path) -> list[Region]:
     return regions
 
 
-STUB = re.compile(r"""^(?P<indent>\s*)raise NotImplementedError\((?P<q>['"])(?P<task>[a-z0-9_]+\.[a-z0-9_]+): (?P<hint>.*)(?P=q)\)\s*$""")
+STUB = re.compile(r"""^\s*raise NotImplementedError\((?P<message>(?P<q>['"])[a-z0-9_]+\.[a-z0-9_]+: .*(?P=q))\)\s*$""")
 
 
 def find_stubs(path: Path) -> list[Region]:
-    """The stubs of a learner workspace's file, as one-line regions (the raise line)."""
-    return [Region(m["task"], m["hint"], path, i, i)
-            for i, line in enumerate(path.read_text().splitlines()) if (m := STUB.match(line))]
+    """The stubs of a learner workspace's file, as one-line regions (the raise line). The
+    message is read as the string literal ``stub_source`` wrote (its escapes undone)."""
+    found = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if m := STUB.match(line):
+            task, hint = ast.literal_eval(m["message"]).split(": ", 1)
+            found.append(Region(task, hint, path, i, i))
+    return found
 
 
 def exercises(pkg: Path) -> list[Region]:
