@@ -70,32 +70,34 @@ class GradedFailure(AssertionError):
                          else f"{task_id}: {headline} (world size {world_size} not run)")
 
 
-# Test function -> (kind, world size) of its first launch that hung: the rest of its world
-# sizes fail at once instead of hanging again (one pytest process grades a whole run).
-_hung: dict[str, tuple[str, int]] = {}
+# Test function -> (what happened, world size) of its first launch that hung or met a stub:
+# the rest of its world sizes fail at once instead of hanging again, or of starting ranks
+# only to meet the same NotImplementedError (one pytest process grades a whole run).
+_given_up: dict[str, tuple[str, int]] = {}
 
 
 def run_graded(task_id: str, fn, world_size: int, *args, timeout: float = 60, **kwargs) -> list:
     """``labkit.launch`` for a graded test: any failure is reported under the task's id."""
     from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split("[")[0].split(" ")[0]
-    if test in _hung:
-        kind, size = _hung[test]
-        raise GradedFailure(task_id, world_size, "skipped",
-                            f"skipped: {kind} at world size {size}", "")
+    if test in _given_up:
+        what, size = _given_up[test]
+        raise GradedFailure(task_id, world_size, "skipped", f"skipped: {what} at world size {size}", "")
     cap = os.environ.get(TIMEOUT_ENV)
     timeout = min(timeout, float(cap)) if cap else timeout
     try:
         return launch(fn, world_size, *args, timeout=timeout, **kwargs)
     except WorkerError as error:
         headline = f"rank {error.rank} raised {error.exc_type}: {error.message}"
+        if error.exc_type == "NotImplementedError":   # a stub raises at every world size
+            _given_up[test] = (f"{error.exc_type}: {error.message}", world_size)
         raise GradedFailure(task_id, world_size, "failed", headline, error.remote_traceback) from None
     except Deadlock as error:
-        _hung[test] = ("deadlocked", world_size)
+        _given_up[test] = ("deadlocked", world_size)
         verdict = str(error).split("\n\nwhere each rank was:")[0]
         raise GradedFailure(task_id, world_size, "deadlocked", verdict, str(error)) from None
     except LaunchTimeout as error:
-        _hung[test] = ("hung", world_size)
+        _given_up[test] = ("hung", world_size)
         where = "; ".join(f"rank {r}: {_innermost(stack)}" for r, stack in sorted(error.stacks.items()))
         raise GradedFailure(task_id, world_size, "hung",
                             f"no result within {error.timeout:g} s ({where})", str(error)) from None
