@@ -41,7 +41,7 @@ import torch.distributed as dist
 from labkit.check import mismatch
 from labkit.course.labscript import lab_arguments
 from labkit.data import markov_tokens
-from labkit.launch import launch, restart_count, under_torchrun
+from labkit.launch import launch, release_process_groups, restart_count, under_torchrun
 from labkit.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)   # the grader's GPT
@@ -189,8 +189,9 @@ def run(args) -> None:
     else:   # under torchrun every rank holds every result: the same verdict, silently
         with contextlib.redirect_stdout(io.StringIO()):
             ok = report(results, args.fail_at)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # A group left alive can abort a rank at exit (SIGABRT), and torchrun would restart the
+    # whole job after it had finished: every rank releases its groups before it leaves.
+    release_process_groups()
     sys.exit(0 if ok else 1)
 
 
