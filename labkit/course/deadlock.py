@@ -5,7 +5,8 @@ answer. A slow job always has some rank doing something: computing, sleeping, mo
 bytes. So the launcher calls it a deadlock only when, for ``window`` seconds in a row,
 
 1. no rank that has not finished used CPU time (``/proc/<pid>/task/*/schedstat``: gloo's
-   threads copying a large message count too) and none has a runnable thread;
+   threads copying a large message count too) and none has a thread runnable at two samples
+   in a row;
 2. every such rank is blocked in communication: its wait journal (below) names the call,
    or its Python stack's innermost frame is inside ``torch.distributed``;
 3. every rank's Python stack and journal are the same at the end of the window as at its
@@ -285,6 +286,7 @@ class Detector:
         self.window = WINDOW.get(backend, WINDOW["nccl"])
         self.last_sample = 0.0
         self.last_cpu: dict[int, int] = {}
+        self.last_runnable: dict[int, bool] = {}
         self.quiet_since: float | None = None
         self.first: list[Snapshot] | None = None
 
@@ -310,7 +312,10 @@ class Detector:
         return None
 
     def _all_asleep(self) -> bool:
-        """No unfinished rank used CPU since the last sample, nor has a runnable thread."""
+        """No unfinished rank used CPU since the last sample, nor has had a runnable thread at
+        this sample and the one before. (One runnable sighting alone is not progress: a thread
+        that wakes for a moment, a timer or a watchdog, waits in the run queue for a while on a
+        busy machine. A rank starved of CPU mid-computation stays runnable, sample after sample.)"""
         asleep = True
         for r in self.ranks:
             if r.finished():
@@ -320,8 +325,9 @@ class Detector:
                 return False  # exiting: the supervisor reports that
             used, runnable = sample
             previous = self.last_cpu.get(r.rank)
-            self.last_cpu[r.rank] = used
-            if runnable or previous is None or used - previous > IDLE_CPU_NS:
+            was_runnable = self.last_runnable.get(r.rank, True)
+            self.last_cpu[r.rank], self.last_runnable[r.rank] = used, runnable
+            if previous is None or used - previous > IDLE_CPU_NS or (runnable and was_runnable):
                 asleep = False
         return asleep
 
