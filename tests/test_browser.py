@@ -1,8 +1,9 @@
 """What a learner sees in JupyterLab: every notebook with widgets, in a real browser.
 
 Debian's Chromium, driven by Playwright, opens each notebook that builds ipywidgets in a
-JupyterLab started here (JupyterLab's own default settings, on a free localhost port, over a
-temporary copy of the course), runs all cells, and checks: no error output anywhere, no
+JupyterLab started here (on a free localhost port, over a temporary copy of the course, with
+JupyterLab's default settings but one: notebook windowing off, so every cell's prompt is in
+the page), each in a workspace of its own, runs all cells, and checks: no error output anywhere, no
 "Error displaying widget"; every figure widget (``labkit.viz.interactive_figure``) renders a
 picture that is not blank and no traceback; moving each control changes what it shows, and
 moving it back restores it exactly. A failure saves a screenshot and says where.
