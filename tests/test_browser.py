@@ -245,11 +245,11 @@ def test_widgets_render_and_respond_in_jupyterlab(jupyterlab, browser, notebook,
         wait_for(lambda: run_all_finished(page), RUN_ALL_LIMIT, f"{notebook}: Run All did not finish")
         wait_for(lambda: "Idle" in page.locator("#jp-main-statusbar").first.inner_text(), 60,
                  f"{notebook}: the kernel stayed busy after Run All")
-        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-        assert all("[ ]" not in p for p in prompts), f"{notebook}: some cells did not run: {prompts}"
         stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
         tracebacks = [t for t in stderr if "Traceback" in t or "Error" in t.split("\n")[0]]
-        assert not tracebacks, f"{notebook}: error output: {tracebacks[0][:1500]}"
+        assert not tracebacks, f"{notebook}: error output: {tracebacks[0][-1500:]}"
+        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        assert all("[ ]" not in p for p in prompts), f"{notebook}: some cells did not run: {prompts}"
         body = page.locator(".jp-Notebook").first.inner_text()
         assert "Error displaying widget" not in body, f"{notebook}: a widget failed to display"
         widgets = page.locator(".widget-vbox:has(> .widget-image)").all()
