@@ -16,7 +16,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-BEGIN = re.compile(r"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>[a-z0-9_]+\.[a-z0-9_]+):?\s*(?P<hint>.*)$")
+TASK_ID = r"[a-z0-9_]+\.[a-z0-9_]+"   # chapter.task, such as ddp.bucketed
+BEGIN = re.compile(rf"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>{TASK_ID}):?\s*(?P<hint>.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
 COPIED = ["README.md", "pyproject.toml", "environment.yml", ".gitignore",
@@ -90,7 +91,8 @@ def find_regions(path: Path) -> list[Region]:
     return regions
 
 
-STUB = re.compile(r"""^\s*raise NotImplementedError\((?P<message>(?P<q>['"])[a-z0-9_]+\.[a-z0-9_]+: .*(?P=q))\)\s*$""")
+STUB = re.compile(rf"""^\s*raise NotImplementedError\((?P<message>(?P<q>['"]){TASK_ID}: .*(?P=q))\)\s*$""")
+STUB_MESSAGE = re.compile(rf"{TASK_ID}: ")   # how every stub's NotImplementedError message begins
 
 
 def find_stubs(path: Path) -> list[Region]:
