@@ -30,8 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = next((p for p in ("/usr/lib/chromium/chromium", "/usr/bin/chromium") if Path(p).exists()), None)
 WANTED = os.environ.get("LABKIT_BROWSER") == "1" or os.environ.get("LABKIT_CI") == "1"
 RUN_ALL_LIMIT = 600   # seconds for one notebook's cells
-TOKEN = uuid.uuid4().hex  # the server's token: the browser logs in with it, the API calls carry it
 CHANGE_LIMIT = 30     # seconds for a widget to redraw after a control moves
+TOKEN = uuid.uuid4().hex  # the server's token: the browser logs in with it, the API calls carry it
+CODE_PROMPTS = ".jp-CodeCell .jp-InputPrompt"   # "[3]:" ran, "[*]:" running, "[ ]:" not run
+ERROR_OUTPUTS = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
 
 
 def widget_notebooks() -> list[str]:
@@ -202,12 +204,12 @@ def shut_down_kernels(url: str) -> None:
 def run_all_finished(page) -> bool:
     """Every code cell has run, or one stopped Run All with an error (reported below). Not
     merely "no cell is busy": that is also true in the moment before the first cell starts."""
-    prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+    prompts = page.locator(CODE_PROMPTS).all_inner_texts()
     if any("[*]" in p for p in prompts):
         return False
     if all("[ ]" not in p for p in prompts):
         return True
-    return page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() > 0
+    return page.locator(ERROR_OUTPUTS).count() > 0
 
 
 def run_all(page, notebook: str) -> None:
@@ -245,10 +247,10 @@ def test_widgets_render_and_respond_in_jupyterlab(jupyterlab, browser, notebook,
         wait_for(lambda: run_all_finished(page), RUN_ALL_LIMIT, f"{notebook}: Run All did not finish")
         wait_for(lambda: "Idle" in page.locator("#jp-main-statusbar").first.inner_text(), 60,
                  f"{notebook}: the kernel stayed busy after Run All")
-        stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+        stderr = page.locator(ERROR_OUTPUTS).all_inner_texts()
         tracebacks = [t for t in stderr if "Traceback" in t or "Error" in t.split("\n")[0]]
         assert not tracebacks, f"{notebook}: error output: {tracebacks[0][-1500:]}"
-        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        prompts = page.locator(CODE_PROMPTS).all_inner_texts()
         assert all("[ ]" not in p for p in prompts), f"{notebook}: some cells did not run: {prompts}"
         body = page.locator(".jp-Notebook").first.inner_text()
         assert "Error displaying widget" not in body, f"{notebook}: a widget failed to display"
