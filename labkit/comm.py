@@ -9,6 +9,12 @@ is active. It sits at the dispatcher: ``dist.all_reduce``, ``ProcessGroup.allred
         dist.all_reduce(t)
     tracer.summary()   # {"all_reduce": {"calls": 1, "bytes": S, "wire_bytes": 2(N-1)/N*S}}
 
+Each event also names its group (the global ranks) and, for a send or receive, its peer;
+with the compute ops and the ``wait()`` calls in between, ``tracer.timeline`` is the order of
+post, compute and wait that overlap is judged by. Graded tests compare the whole trace with
+the technique's formula (``assert_ops``) and check overlap where a technique claims it
+(``assert_overlap``).
+
 Two byte counts per op:
 * ``bytes``: the size S of the logical buffer (the tensor all-reduced, the full gathered
   tensor, the full tensor before reduce-scatter, the message sent or received);
@@ -19,7 +25,7 @@ Two byte counts per op:
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +53,17 @@ OP_KINDS = {
     "barrier": "barrier", "monitored_barrier_": "barrier",
 }
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+WAIT_OPS = ("wait_tensor",)  # a functional collective's wait, itself a dispatcher op
+# The ops that count as computation on the timeline: what a technique overlaps its
+# communication with (matmuls, attention kernels, the additions of a ring reduction).
+COMPUTE_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_attention_math", "_flash_attention_forward", "_efficient_attention_forward",
+    "add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "exp", "exp_", "addcmul_", "addcdiv_",
+    "_softmax", "_log_softmax", "logsumexp", "sum", "mean", "maximum", "where", "gelu", "tanh",
+})
 
 
 def wire_bytes(kind: str, size: int, world: int) -> float:
@@ -74,6 +91,33 @@ class CommEvent:
     dtype: torch.dtype | None
     time: float         # time.perf_counter() when the op was issued
     in_backward: bool   # issued while autograd's backward pass was running
+    group: tuple[int, ...] = ()   # the global ranks of the group it ran on
+    peer: int | None = None       # send/recv: the other rank (global)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One entry of ``CommTracer.timeline``: a comm op posted, waited on, or a compute op."""
+    what: str              # "post", "wait" or "compute"
+    op: str                # the dispatcher op's name (for compute: e.g. "mm")
+    time: float
+    event: int | None = None   # post/wait: the index of the comm event in ``events``
+
+
+class Op(tuple):
+    """One expected communication op: ``Op(kind, bytes, group=None, peer=None)``.
+
+    ``group``: the global ranks of its group (None: every rank); ``peer``: the other rank of
+    a send or receive (global). ``assert_ops`` compares a trace with a list of these."""
+
+    def __new__(cls, kind: str, bytes: int, group=None, peer: int | None = None):
+        group = tuple(group) if group is not None else tuple(range(dist.get_world_size()))
+        return super().__new__(cls, (kind, int(bytes), group, peer))
+
+    def __repr__(self) -> str:
+        kind, size, group, peer = self
+        where = f"{'to' if kind == 'send' else 'from'} rank {peer}" if peer is not None else f"over ranks {group}"
+        return f"{kind} of {size} B {where}"
 
 
 class CommTracer(TorchDispatchMode):
@@ -85,6 +129,22 @@ class CommTracer(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.events: list[CommEvent] = []
+        self.timeline: list[Step] = []
+        self._work_events: dict[int, tuple[object, int]] = {}   # id(Work) -> (Work, event)
+        self._tensor_events: dict[int, tuple[object, int]] = {}  # functional outputs likewise
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        _patch_work_wait()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _unpatch_work_wait()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(_is_dtensor_type(t) for t in types):
@@ -92,12 +152,36 @@ class CommTracer(TorchDispatchMode):
             # back through this mode (the way torch's CommDebugMode sees them).
             return NotImplemented
         kwargs = kwargs or {}
-        kind = OP_KINDS.get(func._opname) if func.namespace in NAMESPACES else None
+        comm = func.namespace in NAMESPACES
+        kind = OP_KINDS.get(func._opname) if comm else None
+        if comm and func._opname in WAIT_OPS and args:
+            self._waited(self._tensor_events.get(_storage_key(args[0])))
         issued = time.perf_counter()
         out = func(*args, **kwargs)
         if kind is not None:
             self.events.append(self._event(kind, func, args, kwargs, out, issued))
+            self._remember_handles(out, len(self.events) - 1)
+            self.timeline.append(Step("post", kind, issued, len(self.events) - 1))
+        elif func.namespace == "aten" and func._opname in COMPUTE_OPS:
+            self.timeline.append(Step("compute", func._opname, issued))
         return out
+
+    def _remember_handles(self, out, index: int) -> None:
+        """Keep the Work (c10d) or output tensors (functional) of event ``index``, so that
+        their wait can be put on the timeline. Holding them keeps their ids unique."""
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.ScriptObject):
+                try:
+                    work = dist.distributed_c10d.Work.unbox(leaf)
+                except RuntimeError:
+                    continue
+                self._work_events[id(work)] = (work, index)
+            elif isinstance(leaf, torch.Tensor):
+                self._tensor_events[_storage_key(leaf)] = (leaf, index)
+
+    def _waited(self, entry) -> None:
+        if entry is not None:
+            self.timeline.append(Step("wait", self.events[entry[1]].kind, time.perf_counter(), entry[1]))
 
     def _event(self, kind, func, args, kwargs, out, issued) -> CommEvent:
         named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
@@ -107,9 +191,19 @@ class CommTracer(TorchDispatchMode):
             size = max(size, _tensor_bytes(named.get("input", named.get("inputs"))) * _group_size(named))
         dtypes = [t.dtype for t in tree_leaves(list(named.values())) if isinstance(t, torch.Tensor)]
         world = _group_size(named)
+        group = _group_ranks(named)
+        peer = None
+        if kind in ("send", "recv"):
+            local = named.get("dstRank", named.get("dst", named.get("srcRank", named.get("src"))))
+            if isinstance(local, int) and local >= 0:
+                peer = group[local] if local < len(group) else local
         return CommEvent(kind, str(func), size, wire_bytes(kind, size, world), world,
                          dtypes[0] if dtypes else None, issued,
-                         torch._C._current_graph_task_id() != -1)
+                         torch._C._current_graph_task_id() != -1, group, peer)
+
+    def ops(self, events=None) -> list[Op]:
+        """The trace as ``Op`` tuples (kind, bytes, group, peer), in the order issued."""
+        return [Op(e.kind, e.bytes, e.group, e.peer) for e in (self.events if events is None else events)]
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per kind of op: number of calls, logical bytes, and ring wire bytes sent."""
@@ -136,6 +230,125 @@ class CommTracer(TorchDispatchMode):
         for kind, row in sorted(self.summary().items()):
             lines.append(f"{kind:<16}{row['calls']:>7}{row['bytes']:>14,}{row['wire_bytes']:>14,.0f}")
         return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- waits
+
+_ACTIVE: list[CommTracer] = []
+_ORIGINAL_WAIT = None
+
+
+def _patch_work_wait() -> None:
+    """Route ``Work.wait()`` through the active tracers while one is active: a wait is no
+    dispatcher op, but overlap is judged by when it happens."""
+    global _ORIGINAL_WAIT
+    if _ORIGINAL_WAIT is not None:
+        return
+    work_class = dist.distributed_c10d.Work
+    _ORIGINAL_WAIT = work_class.wait
+
+    def wait(self, *args, **kwargs):
+        for tracer in _ACTIVE:
+            tracer._waited(tracer._work_events.get(id(self)))
+        return _ORIGINAL_WAIT(self, *args, **kwargs)
+
+    work_class.wait = wait
+
+
+def _unpatch_work_wait() -> None:
+    global _ORIGINAL_WAIT
+    if _ORIGINAL_WAIT is not None:
+        dist.distributed_c10d.Work.wait = _ORIGINAL_WAIT
+        _ORIGINAL_WAIT = None
+
+
+# ----------------------------------------------------------------------------- grading checks
+
+
+def describe(counts: Counter) -> str:
+    return "; ".join(f"{n} x {op!r}" for op, n in sorted(counts.items(), key=lambda kv: repr(kv[0])))
+
+
+def assert_ops(traced, expected, what: str) -> None:
+    """The whole traced communication equals ``expected`` (a list of ``Op``), as a multiset:
+    every kind with its count, group, peer and bytes, and nothing else. ``traced``: a
+    ``CommTracer`` or a list of its events. The message names what was extra or missing."""
+    events = traced.events if isinstance(traced, CommTracer) else list(traced)
+    got = Counter(Op(e.kind, e.bytes, e.group, e.peer) for e in events)
+    want = Counter(expected)
+    if got == want:
+        return
+    extra, missing = got - want, want - got
+    lines = [f"{what}: the traced communication is not the technique's"]
+    if extra:
+        lines.append(f"  extra:   {describe(extra)}")
+    if missing:
+        lines.append(f"  missing: {describe(missing)}")
+    lines.append(f"  ({sum(got.values())} ops traced, {sum(want.values())} expected)")
+    raise AssertionError("\n".join(lines))
+
+
+def assert_overlap(tracer: CommTracer, what: str, kinds=("send", "recv"), events=None,
+                   exempt_last: int = 0) -> None:
+    """Every posted op of ``kinds`` (or the given event indices), except the last
+    ``exempt_last``, had computation running while it was in flight: at least one compute
+    op on the timeline between its post and its wait. An op waited on at once (a blocking
+    send, or ``wait()`` straight after posting) fails, and so does one never waited on."""
+    chosen = events if events is not None else [i for i, e in enumerate(tracer.events) if e.kind in kinds]
+    chosen = chosen[:len(chosen) - exempt_last] if exempt_last else chosen
+    posted, waited, computed = {}, {}, []
+    for position, step in enumerate(tracer.timeline):
+        if step.what == "post":
+            posted[step.event] = position
+        elif step.what == "wait":
+            waited.setdefault(step.event, position)
+        else:
+            computed.append(position)
+    for n, index in enumerate(chosen):
+        event = tracer.events[index]
+        label = f"{event.kind} #{n + 1} of {len(chosen)} ({event.bytes} B" + (
+            f", {'to' if event.kind == 'send' else 'from'} rank {event.peer})" if event.peer is not None else ")")
+        if index not in waited:
+            raise AssertionError(f"{what}: the {label} was never waited on: wait for each one "
+                                 "before its buffer is used or reused")
+        start, end = posted[index], waited[index]
+        if not any(start < c < end for c in computed):
+            raise AssertionError(
+                f"{what}: the {label} was waited on before any computation ran while it was in "
+                f"flight: post it, compute on what you already have, then wait (no overlap)")
+
+
+def _storage_key(tensor) -> int:
+    """Functional collectives wait on a tensor sharing the output's storage, not on the
+    output object itself."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor)
+
+
+def _group_ranks(named: dict) -> tuple[int, ...]:
+    group = _process_group(named)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, KeyError):
+        return tuple(range(group.size()))
+
+
+def _process_group(named: dict):
+    for value in named.values():
+        if isinstance(value, dist.ProcessGroup):
+            return value
+        if isinstance(value, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(value)
+            except RuntimeError:
+                continue
+    if isinstance(named.get("group_name"), str):
+        return dist.distributed_c10d._resolve_process_group(named["group_name"])
+    return None
 
 
 def _is_dtensor_type(cls) -> bool:

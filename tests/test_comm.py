@@ -353,3 +353,59 @@ def test_ring_all_reduce_time(world):
     size = 1 << 22
     assert ring_all_reduce_time(size, world, 0.0, beta) == pytest.approx(wire_bytes("all_reduce", size, world) * beta,
                                                                         rel=1e-12, abs=0)
+
+
+# ----------------------------------------------------------------------------- grading checks
+
+
+def _groups_peers_and_overlap() -> dict:
+    from labkit.comm import Op, assert_ops, assert_overlap
+    rank = dist.get_rank()
+    sub = dist.new_group([1, 2, 3])
+    nxt, prv = (rank + 1) % 4, (rank - 1) % 4
+    with CommTracer() as tracer:
+        dist.all_reduce(torch.ones(4))
+        if rank:
+            dist.all_reduce(torch.ones(2), group=sub)
+        buf, got = torch.ones(8), torch.empty(8)
+        reqs = [dist.isend(buf, nxt), dist.irecv(got, prv)]
+        torch.randn(4, 4) @ torch.randn(4, 4)  # computation while the exchange is in flight
+        for req in reqs:
+            req.wait()
+        for req in [dist.isend(buf, nxt), dist.irecv(got, prv)]:  # waited on at once
+            req.wait()
+    expected = [Op("all_reduce", 16)] + [Op("all_reduce", 8, group=[1, 2, 3])] * (rank > 0)
+    expected += [Op("send", 32, peer=nxt), Op("recv", 32, peer=prv)] * 2
+    out = {"ops": [repr(op) for op in tracer.ops()], "steps": [(s.what, s.op) for s in tracer.timeline]}
+    assert_ops(tracer, expected, "whole trace")
+    errors = []
+    for wrong in ([*expected[:-1], Op("all_gather", 32)], [*expected, Op("send", 32, peer=nxt)],
+                  [Op("send", 32, peer=prv) if op == Op("send", 32, peer=nxt) else op for op in expected]):
+        try:
+            assert_ops(tracer, wrong, "wrong")
+        except AssertionError as error:
+            errors.append(str(error))
+    out["ops_errors"] = errors
+    first_pair = [i for i, e in enumerate(tracer.events) if e.kind in ("send", "recv")][:2]
+    assert_overlap(tracer, "first exchange", events=first_pair)
+    try:
+        assert_overlap(tracer, "every exchange")
+    except AssertionError as error:
+        out["overlap_error"] = str(error)
+    return out
+
+
+def test_grading_checks_see_groups_peers_and_the_order_of_post_compute_wait():
+    results = labkit.launch(_groups_peers_and_overlap, 4)
+    for rank, out in enumerate(results):
+        assert (f"all_reduce of 8 B over ranks (1, 2, 3)" in out["ops"]) == (rank > 0)
+        assert f"send of 32 B to rank {(rank + 1) % 4}" in out["ops"]
+        assert f"recv of 32 B from rank {(rank - 1) % 4}" in out["ops"]
+        assert len(out["ops_errors"]) == 3, out
+        assert "extra:   1 x all_reduce of 16 B" not in out["ops_errors"][0]
+        assert "missing: 1 x all_gather of 32 B" in out["ops_errors"][0]
+        assert "missing: 1 x send of 32 B" in out["ops_errors"][1] and "extra" not in out["ops_errors"][1]
+        assert f"extra:   2 x send of 32 B to rank {(rank + 1) % 4}" in out["ops_errors"][2]
+        assert "send #3 of 4" in out["overlap_error"] and "no overlap" in out["overlap_error"]
+        steps = out["steps"]
+        assert steps.index(("compute", "mm")) < steps.index(("wait", "send"))
