@@ -328,3 +328,21 @@ def test_the_same_script_runs_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for rank in range(2):
         assert f"rank {rank} got [(0, 30.0), (1, 30.0)]" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _send_outside(case: str) -> None:
+    group = dist.new_group([0, 1])
+    if dist.get_rank() == 0:
+        if case == "world":     # gloo itself would crash the process (SIGSEGV) on this one
+            dist.send(torch.ones(2), dst=5)
+        elif case == "group":   # a group rank passed where a global rank belongs
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(2), 2, group=group)])
+
+
+@pytest.mark.parametrize("case, named", [("world", "rank 5"), ("group", "rank 2")])
+def test_a_peer_outside_the_group_is_explained_before_the_transport_sees_it(case, named):
+    with pytest.raises(labkit.WorkerError) as caught:
+        labkit.launch(_send_outside, 3, case, timeout=30)
+    assert caught.value.rank == 0 and caught.value.exc_type == "ValueError", str(caught.value)
+    assert f"names {named} as the peer of a send or receive" in caught.value.message
+    assert "dist.get_global_rank(group, r)" in caught.value.message

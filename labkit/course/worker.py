@@ -83,6 +83,7 @@ def run_rank(spec: dict) -> None:
         with open(os.path.join(rundir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
         _init_process_group(rank, spec["world_size"], spec["backend"], spec["timeout"])
+        check_peers()
         result = _run_user_function(fn, args, kwargs)
         _flush()
         _write_atomically(os.path.join(rundir, f"result_{rank}.pkl"), result)
@@ -103,6 +104,33 @@ def _init_process_group(rank: int, world_size: int, backend: str, timeout: float
     # Our own timeout fires first, so a hang is reported with stacks, not a gloo error.
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout + 60))
+
+
+def check_peers() -> None:
+    """A send or receive whose peer is not in its group gets the course's explanation before
+    any transport sees it (gloo crashes the process on a rank outside the world, and torch
+    names the group only by its address). Every point-to-point call of torch.distributed
+    (send, recv, isend, irecv, P2POp) turns its peer into a group rank here."""
+    c10d = dist.distributed_c10d
+    original = c10d._canonicalize_group_rank
+    if getattr(original, "_labkit_checked", False):
+        return
+
+    def canonicalize(group, global_rank=None, group_rank=None, return_global=False):
+        ranks = dist.get_process_group_ranks(group)
+        if global_rank is not None and group_rank is None and global_rank not in ranks:
+            raise ValueError(
+                f"rank {dist.get_rank()} names rank {global_rank} as the peer of a send or receive, "
+                f"but its group holds global ranks {ranks}: peers are global ranks, so the "
+                f"group's r-th rank is dist.get_global_rank(group, r) (or pass group_peer=r)")
+        if group_rank is not None and not 0 <= group_rank < len(ranks):
+            raise ValueError(
+                f"rank {dist.get_rank()} names group rank {group_rank} as the peer of a send or "
+                f"receive, but its group has {len(ranks)} ranks (global ranks {ranks})")
+        return original(group, global_rank, group_rank, return_global)
+
+    canonicalize._labkit_checked = True
+    c10d._canonicalize_group_rank = canonicalize
 
 
 def _run_user_function(fn, args, kwargs):
