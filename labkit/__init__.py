@@ -10,7 +10,19 @@ the launcher's rank server) lives in ``labkit.course``.
 import os as _os
 import warnings as _warnings
 
-from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch, restart_count
+_LAUNCH_NAMES = ("launch", "restart_count", "LaunchError", "LaunchTimeout", "Deadlock", "WorkerError")
+
+
+def __getattr__(name):
+    """``labkit.launch`` and its errors, imported on first use: the ``labkit`` command's
+    quick subcommands (``labkit tasks``) then never pay for importing torch."""
+    if name in _LAUNCH_NAMES:
+        import importlib
+        module = importlib.import_module("labkit.launch")
+        # Importing the submodule bound ``labkit.launch`` to it: bind the function instead.
+        globals().update({n: getattr(module, n) for n in _LAUNCH_NAMES})
+        return globals()[name]
+    raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
 def _warn_if_another_tree() -> None:

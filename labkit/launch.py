@@ -538,3 +538,15 @@ def _nonempty(path: str) -> bool:
 def _load(path: str):
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+class _CallableModule(type(sys)):
+    """``labkit.launch`` names both this module and its function (``labkit`` imports it
+    lazily, so ``labkit tasks`` never imports torch): whichever one the attribute holds,
+    calling it launches."""
+
+    def __call__(self, *args, **kwargs):
+        return launch(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

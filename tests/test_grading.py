@@ -76,30 +76,46 @@ def test_grading_files_resolve_chapter_numbers_and_names():
 
 
 RECORDS = [
-    dict(name="t::a[1]", task="x.one", points=1.0, outcome="passed", output=""),
-    dict(name="t::a[2]", task="x.one", points=1.0, outcome="failed", output="x.one: rank 1 off by 2"),
+    dict(name="t::a[1]", task="x.one", points=0.0, world_size=1, outcome="passed", output=""),
+    dict(name="t::a[2]", task="x.one", points=1.0, world_size=2, outcome="failed", output="x.one: rank 1 off by 2"),
     dict(name="t::b", task="x.two", points=3.0, outcome="passed", output=""),
     dict(name="t::c", task="x.two", points=0.5, outcome="skipped", output="skipped: no GPU"),
+    dict(name="t::d[1]", task="x.three", points=0.0, world_size=1, outcome="passed", output=""),
+    dict(name="t::d[2]", task="x.three", points=2.0, world_size=2, outcome="passed", output=""),
+    dict(name="h::e", task="x.three", points=1.0, hidden=True, outcome="passed", output=""),
 ]
 
 
-def test_scores_add_up_per_task():
+def test_a_task_scores_only_when_every_test_passes():
     scores = grading.score_by_task(RECORDS)
-    assert [(s.task, s.passed, s.total, s.score, s.max_score) for s in scores] == [
-        ("x.one", 1, 2, 1.0, 2.0), ("x.two", 1, 2, 3.0, 3.5)]
+    assert sorted((s.task, s.passed, s.total, s.score, s.max_score) for s in scores) == [
+        ("x.one", 1, 2, 0.0, 1.0), ("x.three", 3, 3, 3.0, 3.0), ("x.two", 1, 2, 0.0, 3.5)]
     table = grading.format_table(scores)
-    assert "x.one" in table and "1/2" in table and "4/5.5" in table.splitlines()[-1]
+    assert "x.one" in table and "1/2" in table and "3/7.5" in table.splitlines()[-1]
 
 
 def test_gradescope_results_have_the_required_fields():
     results = grading.gradescope_results(RECORDS)
-    assert (results["score"], results["max_score"]) == (4.0, 5.5)
-    assert [t["score"] for t in results["tests"]] == [1.0, 0.0, 3.0, 0.0]
+    assert (results["score"], results["max_score"]) == (3.0, 7.5)
+    assert [t["score"] for t in results["tests"]] == [0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 1.0]
     for test, record in zip(results["tests"], RECORDS):
         assert set(test) == {"name", "score", "max_score", "output", "visibility"}
         assert test["name"].startswith(record["task"]) and test["max_score"] == record["points"]
-    assert results["tests"][0]["output"] == "passed"
+        assert test["visibility"] == ("after_published" if record.get("hidden") else "visible")
     assert results["tests"][1]["output"] == "FAILED x.one · a[2]\n  rank 1 off by 2"
+    assert results["tests"][2]["output"].startswith("passed; but x.two earns its points only when all")
+    assert results["tests"][0]["output"].endswith("(world size 1: a diagnostic, no points of its own)")
+    assert results["tests"][6]["output"] == "passed"
+
+
+def test_a_failure_caused_by_another_tasks_stub_names_it_first():
+    records = [dict(name="t::f[2]", task="elastic.save", points=1.0, outcome="failed",
+                    output="elastic.save: failed at world size 2: rank 0 raised NotImplementedError: "
+                           "fsdp.shard: take rows", details="", frame="labkit/fsdp.py:80 in shard_tensor"),
+               dict(name="t::g[2]", task="x.one", points=1.0, outcome="failed", output="x.one: off by one")]
+    report = grading.failure_report(records).splitlines()
+    assert report[0] == ("NEEDS fsdp.shard: elastic.save uses your fsdp.shard_tensor (fsdp.shard), "
+                         "still a stub: grade fsdp first"), report
 
 
 def test_long_failure_output_is_truncated():

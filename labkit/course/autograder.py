@@ -70,6 +70,10 @@ def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 
     with tempfile.TemporaryDirectory(prefix="labkit-autograder-") as tmp:
         release = Path(tmp) / "release"
         workspace.make_workspace(release, root=root)
+        hidden = root / "tests" / "grading" / grading.HIDDEN_DIR  # graded, never in a student release
+        if hidden.is_dir():
+            shutil.copytree(hidden, release / "tests" / "grading" / grading.HIDDEN_DIR,
+                            ignore=shutil.ignore_patterns("__pycache__"))
         output.parent.mkdir(parents=True, exist_ok=True)
         with zipfile.ZipFile(output, "w", zipfile.ZIP_DEFLATED) as bundle:
             for name, text in (("setup.sh", SETUP_SH), ("run_autograder", RUN_AUTOGRADER)):

@@ -52,14 +52,13 @@ def cmd_grade(args, root: Path) -> int:
 
 
 def cmd_tasks(args, root: Path) -> int:
-    regions = workspace.exercises(root / "labkit")
-    if not regions:
+    from labkit.course import catalog
+    infos = catalog.tasks(root)
+    if not infos:
         raise RuntimeError(f"no exercises found in {root / 'labkit'}")
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
-    width = max(len(r.task) for r in regions) + 2
-    for region in regions:
-        where = f"{region.path.relative_to(root)}:{region.begin + 1}"
-        print(f"{region.task:<{width}} {where:<30} {region.hint}")
+    print(catalog.format_tasks(infos))
+    print("points: a task earns them only when all of its tests pass, at every world size")
     return 0
 
 

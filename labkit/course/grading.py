@@ -14,6 +14,13 @@ A graded test names its task and carries points::
 process that imports *that tree's* labkit, and prints one short block per failing test
 and a table of points per task. The plugin below refuses to grade a tree whose labkit is
 not the one imported: a stubbed workspace must never be graded with the reference code.
+
+Scoring: a task earns its points only when every one of its tests passes, at every world
+size; a test at world size 1 carries no points of its own (it stays as a diagnostic line).
+Before each graded test the task's module is checked against ``labkit.course.rules``
+(no PyTorch implementation of the technique in its place). Tests in
+``tests/grading/hidden/`` grade like the others but are left out of learner workspaces.
+With ``--mutants`` the plugin runs the mutation tests of ``labkit.course.mutants``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from labkit.course import workspace
 # Chapter number -> exercise module; tests live in tests/grading/test_<module>.py.
 CHAPTERS = {"00": "collectives", "01": "dp", "02": "ddp", "03": "zero", "04": "fsdp",
             "05": "tp", "06": "pp", "07": "sp", "08": "mesh", "09": "elastic"}
+HIDDEN_DIR = "hidden"  # tests/grading/hidden/: graded, left out of learner workspaces
 OUTPUT_LIMIT = 4000    # characters of failure text kept per test in results.json
 TIMEOUT_ENV = "LABKIT_GRADE_TIMEOUT"  # caps every graded launch's timeout (autograders set it)
 
@@ -47,9 +55,8 @@ def task(task_id: str, points: float = 1):
 def known_tasks(root: Path | None = None) -> set[str]:
     """Task ids of this tree: from the solution regions, or the workspace's list of them."""
     root = root or workspace.package_dir().parent
-    marker = root / workspace.MARKER_FILE
-    if marker.exists():
-        return set(marker.read_text().split())
+    if (root / workspace.MARKER_FILE).exists():
+        return set(workspace.listed_tasks(root))
     return set(workspace.tasks(root / "labkit"))
 
 
@@ -74,12 +81,13 @@ class GradedFailure(AssertionError):
 # the rest of its world sizes fail at once instead of hanging again, or of starting ranks
 # only to meet the same NotImplementedError (one pytest process grades a whole run).
 _given_up: dict[str, tuple[str, int]] = {}
+_active_mutant = ""   # the mutant swapped in for the running test ("" = the tree's own code)
 
 
 def run_graded(task_id: str, fn, world_size: int, *args, timeout: float = 60, **kwargs) -> list:
     """``labkit.launch`` for a graded test: any failure is reported under the task's id."""
     from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("[")[0].split(" ")[0]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("[")[0].split(" ")[0] + _active_mutant
     if test in _given_up:
         what, size = _given_up[test]
         raise GradedFailure(task_id, world_size, "skipped", f"skipped: {what} at world size {size}", "")
@@ -126,6 +134,12 @@ def pytest_addoption(parser):
                     help="labkit: run only the graded tests of this task id (repeatable)")
     group.addoption("--grade-progress-fd", type=int, default=None, metavar="FD",
                     help="labkit: write one line per finished graded test to this file descriptor")
+    group.addoption("--mutants", action="store_true",
+                    help="labkit: run every graded test against the wrong implementations in tests/mutants")
+    group.addoption("--mutant", action="append", default=[], metavar="ID",
+                    help="labkit: with --mutants, only this mutant (task/name; repeatable)")
+    group.addoption("--mutants-report", default=None, metavar="PATH",
+                    help="labkit: with --mutants, write each mutant's fate to PATH (JSON)")
 
 
 def pytest_configure(config):
@@ -160,6 +174,86 @@ def pytest_collection_modifyitems(config, items):
         keep = [i for i in items if (m := i.get_closest_marker("grade")) and m.args[0] in wanted]
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
+    if config.getoption("--mutants"):
+        # One mutant at a time, its world-size-1 diagnostics last: it stops at its first failure.
+        keep = [i for i in items if _mutant_of(i) is not None]
+        config.hook.pytest_deselected(items=[i for i in items if _mutant_of(i) is None])
+        order = {id(i): n for n, i in enumerate(keep)}
+        keep.sort(key=lambda i: (_mutant_of(i).id, _world_size(i) == 1, order[id(i)]))
+        items[:] = keep
+
+
+def _world_size(item) -> int | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("world_size") if callspec else None
+
+
+def _mutant_of(item):
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("labkit_exercise") if callspec else None
+
+
+def pytest_generate_tests(metafunc):
+    """With --mutants: every graded test once per mutant of its task."""
+    marker = metafunc.definition.get_closest_marker("grade")
+    if marker is None or not metafunc.config.getoption("--mutants"):
+        return
+    chosen = [m for m in _mutants(metafunc.config) if m.task == marker.args[0]]
+    if chosen:
+        metafunc.parametrize("labkit_exercise", chosen, indirect=True, ids=[m.name for m in chosen])
+
+
+def _mutants(config) -> list:
+    if not hasattr(config, "_labkit_mutants"):
+        from labkit.course import mutants
+        found = mutants.load(Path(str(config.rootpath)))
+        wanted = set(config.getoption("--mutant"))
+        unknown = wanted - {m.id for m in found}
+        if unknown:
+            raise pytest.UsageError(f"labkit grading: no such mutant {sorted(unknown)}")
+        config._labkit_mutants = [m for m in found if not wanted or m.id in wanted]
+        config._labkit_fates = {}
+    return config._labkit_mutants
+
+
+@pytest.fixture(autouse=True)
+def labkit_exercise(request):
+    """Around every graded test: the task's module may not use PyTorch's implementation of
+    the technique (``labkit.course.rules``); under --mutants, the mutant is swapped in."""
+    global _active_mutant
+    marker = request.node.get_closest_marker("grade")
+    mutant = getattr(request, "param", None)
+    if marker is None:
+        yield None
+        return
+    from labkit.course import rules
+    root = Path(str(request.config.rootpath))
+    if mutant is None:
+        module = root / "labkit" / f"{marker.args[0].split('.')[0]}.py"
+        if module.exists():
+            rules.check(marker.args[0], module.read_text())
+        yield None
+        return
+    from labkit.course import mutants
+    fates = request.config._labkit_fates
+    if fates.get(mutant.id, {}).get("killed"):
+        pytest.skip(f"mutant {mutant.id} killed already")
+    rules.check(marker.args[0], mutant.source(root))
+    path = mutants.write_source(mutant, root)
+    overrides = {mutant.module: str(path)}
+    saved = mutants.install_overrides(overrides)
+    before = os.environ.get(mutants.OVERRIDES_ENV)
+    os.environ[mutants.OVERRIDES_ENV] = json.dumps(overrides)
+    _active_mutant = "/" + mutant.id
+    try:
+        yield mutant
+    finally:
+        _active_mutant = ""
+        if before is None:
+            os.environ.pop(mutants.OVERRIDES_ENV, None)
+        else:
+            os.environ[mutants.OVERRIDES_ENV] = before
+        mutants.restore(saved)
 
 
 _records: dict[str, dict] = {}
@@ -172,8 +266,15 @@ def pytest_runtest_makereport(item, call):
     marker = item.get_closest_marker("grade")
     if marker is None:
         return
+    mutant = _mutant_of(item)
+    if mutant is not None:
+        _mutant_fate(item.config, mutant, item, report, call)
+        return
+    size = _world_size(item)
     record = _records.setdefault(item.nodeid, dict(
-        name=item.nodeid, task=marker.args[0], points=float(marker.kwargs.get("points", 1)),
+        name=item.nodeid, task=marker.args[0],
+        points=0.0 if size == 1 else float(marker.kwargs.get("points", 1)),  # N = 1: diagnostic
+        world_size=size, hidden="hidden" in Path(str(item.path)).parent.name,
         outcome="passed", output="", details="", frame=""))
     if report.failed or (report.skipped and record["outcome"] == "passed"):
         record["outcome"] = "failed" if report.failed else "skipped"
@@ -183,6 +284,36 @@ def pytest_runtest_makereport(item, call):
         record["frame"] = learner_frame(record["details"] + "\n" + str(report.longrepr))
     if report.when == "teardown":
         _progress(item.config, record)
+
+
+def _mutant_fate(config, mutant, item, report, call) -> None:
+    fate = config._labkit_fates.setdefault(mutant.id, dict(mutant=mutant.id, task=mutant.task, why=mutant.why,
+                                                           killed=False, by="", tests=0))
+    if report.when == "call" or report.failed:
+        fate["tests"] += report.when == "call"
+    if report.failed and not fate["killed"]:
+        error = call.excinfo.value if call.excinfo is not None else None
+        fate.update(killed=True, by=item.nodeid.split("::", 1)[-1],
+                    message=_failure_text(report, error).splitlines()[0][:300] if _failure_text(report, error) else "")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("--mutants") or not hasattr(config, "_labkit_fates"):
+        return
+    fates = [config._labkit_fates.get(m.id, dict(mutant=m.id, task=m.task, why=m.why, killed=False,
+                                                by="", tests=0)) for m in config._labkit_mutants]
+    write = terminalreporter.write_line
+    write("")
+    for fate in fates:
+        if fate["killed"]:
+            write(f"killed    {fate['mutant']:<44} by {fate['by']}: {fate.get('message', '')[:160]}")
+        else:
+            write(f"SURVIVED  {fate['mutant']:<44} ({fate['why']}) passed {fate['tests']} test(s)")
+    killed = sum(f["killed"] for f in fates)
+    write(f"mutants killed: {killed} of {len(fates)}")
+    path = config.getoption("--mutants-report")
+    if path:
+        Path(path).write_text(json.dumps(fates, indent=1))
 
 
 def _progress(config, record: dict) -> None:
@@ -240,16 +371,17 @@ def grading_files(chapters: list[str], root: Path) -> list[Path]:
     """The grading test files of the named chapters (number or module name; none = all)."""
     grading = root / "tests" / "grading"
     available = {p.stem.removeprefix("test_"): p for p in sorted(grading.glob("test_*.py"))}
-    if not chapters:
-        return list(available.values())
-    files = []
-    for name in chapters:
-        module = CHAPTERS.get(name.zfill(2) if name.isdigit() else "", name)
-        if module not in available:
-            raise ValueError(f"no graded chapter {name!r}; available: {', '.join(available)}")
-        if available[module] not in files:
-            files.append(available[module])
-    return files
+    hidden = {p.stem.removeprefix("test_"): p for p in sorted((grading / HIDDEN_DIR).glob("test_*.py"))}
+    modules = list(available)
+    if chapters:
+        modules = []
+        for name in chapters:
+            module = CHAPTERS.get(name.zfill(2) if name.isdigit() else "", name)
+            if module not in available:
+                raise ValueError(f"no graded chapter {name!r}; available: {', '.join(available)}")
+            if module not in modules:
+                modules.append(module)
+    return [f for m in modules for f in (available[m], hidden.get(m)) if f is not None]
 
 
 def split_selection(names: list[str]) -> tuple[list[str], list[str]]:
@@ -296,15 +428,33 @@ def run_tests(files: list[Path], root: Path, extra_args=(), tasks=(), verbose: b
 
 
 def score_by_task(records: list[dict]) -> list[TaskScore]:
+    """Points per task, in chapter order. A task earns its points only when every one of
+    its tests passed: a wrong implementation that fails one world size earns nothing."""
     by_task: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_task[r["task"]].append(r)
     scores = []
-    for name, rs in sorted(by_task.items()):
+    for name, rs in sorted(by_task.items(), key=lambda kv: task_order(kv[0])):
         passed = [r for r in rs if r["outcome"] == "passed"]
-        scores.append(TaskScore(name, len(passed), len(rs), sum(r["points"] for r in passed),
-                                sum(r["points"] for r in rs)))
+        best = sum(r["points"] for r in rs)
+        scores.append(TaskScore(name, len(passed), len(rs), best if len(passed) == len(rs) else 0.0, best))
     return scores
+
+
+def task_order(task_id: str) -> tuple:
+    """Chapter order (00 collectives ... 09 elastic), then the task's place in its module."""
+    module = task_id.split(".")[0]
+    chapter = next((int(n) for n, m in CHAPTERS.items() if m == module), 99)
+    return chapter, _order_in_module(module).get(task_id, 999), task_id
+
+
+def _order_in_module(module: str) -> dict[str, int]:
+    path = workspace.package_dir() / f"{module}.py"
+    order: dict[str, int] = {}
+    if path.exists():
+        for region in workspace.find_regions(path) or workspace.find_stubs(path):
+            order.setdefault(region.task, len(order))
+    return order
 
 
 def format_table(scores: list[TaskScore]) -> str:
@@ -333,17 +483,31 @@ def failure_block(record: dict) -> str:
     return "\n".join(lines)
 
 
+def stub_dependency(record: dict) -> str | None:
+    """The other task whose stub this test met (it uses that task's code), or None."""
+    m = re.search(rf"NotImplementedError: ({workspace.TASK_ID}):", record["output"] + "\n" + record.get("details", ""))
+    return m.group(1) if m and m.group(1) != record["task"] else None
+
+
 def failure_report(records: list[dict]) -> str:
-    """Every failure, briefly: one line per task still a stub, one block per other failure."""
+    """Every failure, briefly: first the tasks that wait on another task's stub (grade that
+    one first), then one line per task still a stub, then one block per other failure."""
     failed = [r for r in records if r["outcome"] != "passed"]
     stubs: dict[str, list[dict]] = defaultdict(list)
+    needs: dict[str, tuple[str, str]] = {}
     blocks = []
     for r in failed:
-        if is_stub_failure(r):
+        other = stub_dependency(r)
+        if other and not is_stub_failure(r):
+            where = (r.get("frame") or "").split("\n")[0]
+            function = where.rsplit(" in ", 1)[-1] if " in " in where else other
+            needs.setdefault(r["task"], (other, function))
+        elif is_stub_failure(r):
             stubs[r["task"]].append(r)
         else:
             blocks.append(failure_block(r))
-    lines = []
+    lines = [f"NEEDS {other}: {name} uses your {other.split('.')[0]}.{function} ({other}), still a stub: "
+             f"grade {other.split('.')[0]} first" for name, (other, function) in needs.items()]
     for name, rs in stubs.items():
         where = rs[0]["frame"].split("\n")[0] if rs[0].get("frame") else ""
         lines.append(f"NOT IMPLEMENTED {name}: {len(rs)} test(s)" + (f" · {where}" if where else ""))
@@ -351,16 +515,27 @@ def failure_report(records: list[dict]) -> str:
 
 
 def gradescope_results(records: list[dict]) -> dict:
-    """Gradescope autograder format: one entry per test, scores summed."""
+    """Gradescope autograder format: one entry per test, scores summed. A test scores only
+    when its whole task passed; hidden tests are shown once the grades are published."""
     tests = []
+    incomplete = {s.task: s for s in score_by_task(records) if s.passed < s.total}
     for r in records:
-        earned = r["points"] if r["outcome"] == "passed" else 0.0
-        output = "passed" if r["outcome"] == "passed" else failure_block(r)
+        earned = r["points"] if r["outcome"] == "passed" and r["task"] not in incomplete else 0.0
+        if r["outcome"] != "passed":
+            output = failure_block(r)
+        elif r["task"] in incomplete:
+            missing = incomplete[r["task"]]
+            output = (f"passed; but {r['task']} earns its points only when all of its tests pass "
+                      f"({missing.total - missing.passed} of {missing.total} failed)")
+        else:
+            output = "passed"
+        if r.get("points") == 0 and r.get("world_size") == 1:
+            output += " (world size 1: a diagnostic, no points of its own)"
         if r["outcome"] != "passed" and r.get("details"):
             output += "\n\n" + r["details"]
         if len(output) > OUTPUT_LIMIT:
             output = output[:OUTPUT_LIMIT] + "\n... (truncated)"
         tests.append(dict(name=f"{r['task']} :: {r['name']}", score=earned, max_score=r["points"],
-                          output=output, visibility="visible"))
+                          output=output, visibility="after_published" if r.get("hidden") else "visible"))
     return dict(score=sum(t["score"] for t in tests), max_score=sum(t["max_score"] for t in tests),
                 tests=tests)

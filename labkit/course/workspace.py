@@ -23,6 +23,19 @@ MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
 COPIED = ["README.md", "pyproject.toml", "environment.yml", ".gitignore",
           "labkit", "chapters", "labs", "tests"]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
+# What a learner never gets: hidden graded tests (the autograder bundle adds them back) and
+# the grader's mutants (they quote the solutions).
+PRIVATE = ("tests/grading/hidden", "tests/mutants")
+
+
+def _ignore(root: Path):
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        skipped = set(IGNORED(folder, names))
+        for name in names:
+            if (Path(folder) / name).relative_to(root).as_posix() in PRIVATE:
+                skipped.add(name)
+        return skipped
+    return ignore
 
 
 @dataclass(frozen=True)
@@ -159,7 +172,7 @@ def make_workspace(dest: Path, root: Path | None = None, force: bool = False) ->
     for name in COPIED:
         src = root / name
         if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=IGNORED)
+            shutil.copytree(src, dest / name, ignore=_ignore(root))
         elif src.exists():
             shutil.copy2(src, dest / name)
     regions = all_regions(root / "labkit")
@@ -167,5 +180,17 @@ def make_workspace(dest: Path, root: Path | None = None, force: bool = False) ->
         (dest / "labkit" / path.name).write_text(stub_source(path))
     for notebook in (dest / "labs").glob("*.ipynb"):
         clear_outputs(notebook)  # the lab's results come from the learner's own code
-    (dest / MARKER_FILE).write_text("\n".join(sorted({r.task for r in regions})) + "\n")
+    hints = tasks(root / "labkit")
+    (dest / MARKER_FILE).write_text("".join(f"{t}\t{hints[t]}\n" for t in sorted(hints)))
     return regions
+
+
+def listed_tasks(root: Path) -> dict[str, str]:
+    """A workspace's task ids and hints, as written when it was made (one 'task<TAB>hint'
+    line each; older workspaces list ids alone)."""
+    listed = {}
+    for line in (root / MARKER_FILE).read_text().splitlines():
+        if line.strip():
+            task, _, hint = line.partition("\t")
+            listed[task.strip()] = hint.strip()
+    return listed

@@ -1,0 +1,117 @@
+"""Mutation testing of the grader: plausible wrong implementations that must lose their task.
+
+A mutant is the reference exercise module with one edit a learner could plausibly make
+(an off-by-one, a missing scale, the wrong group, waiting before computing, one collective
+too many, PyTorch's built-in in place of the exercise). The mutants live beside the tests,
+one file per chapter (``tests/mutants/<module>.py``, each defining ``MUTANTS``), and never
+travel into a learner workspace: they quote the solutions.
+
+    Mutant("collectives.all_reduce", "floor_chunks", "chunks of floor(S/N): the tail is lost",
+           find="chunk = -(-flat.numel() // n)", replace="chunk = flat.numel() // n")
+
+``pytest tests/grading --mutants`` (the grading plugin) runs every graded test once per
+mutant of its task, with the mutated module swapped in (in the test process and, through
+``LABKIT_MODULE_OVERRIDES``, in every rank it launches), and stops a mutant at its first
+failing test: since a task's points need every one of its tests, one failure costs the
+mutant all of them. It prints ``mutants killed: K of M``; a survivor is a hole in the grader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.course.worker import OVERRIDES_ENV  # {module: source file}, read by every rank
+
+
+@dataclass(frozen=True)
+class Mutant:
+    task: str          # the task whose points it must lose, e.g. "pp.1f1b"
+    name: str          # short and unique within the chapter, e.g. "warmup_off_by_one"
+    why: str           # what is wrong, in a learner's terms
+    find: str          # text of the reference module, present exactly once
+    replace: str       # what the learner wrote instead
+
+    @property
+    def module(self) -> str:
+        return self.task.split(".")[0]
+
+    @property
+    def id(self) -> str:
+        return f"{self.task}/{self.name}"
+
+    def source(self, root: Path) -> str:
+        """The mutated module's text; refuses a ``find`` that is missing or ambiguous."""
+        original = (root / "labkit" / f"{self.module}.py").read_text()
+        count = original.count(self.find)
+        if count != 1:
+            raise ValueError(f"mutant {self.id}: its 'find' text occurs {count} times in "
+                             f"labkit/{self.module}.py (must be exactly once); update the mutant")
+        mutated = original.replace(self.find, self.replace)
+        compile(mutated, f"labkit/{self.module}.py", "exec")
+        return mutated
+
+
+def load(root: Path, modules=None) -> list[Mutant]:
+    """Every mutant in ``root/tests/mutants`` (of the named chapter modules, or all)."""
+    found = []
+    for path in sorted((root / "tests" / "mutants").glob("*.py")):
+        if path.stem.startswith("_") or (modules is not None and path.stem not in modules):
+            continue
+        spec = importlib.util.spec_from_file_location(f"labkit_mutants_{path.stem}", path)
+        namespace = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(namespace)
+        for mutant in namespace.MUTANTS:
+            if mutant.module != path.stem:
+                raise ValueError(f"{path.name}: mutant {mutant.id} belongs in tests/mutants/{mutant.module}.py")
+            found.append(mutant)
+    ids = [m.id for m in found]
+    duplicated = {i for i in ids if ids.count(i) > 1}
+    if duplicated:
+        raise ValueError(f"mutants defined twice: {sorted(duplicated)}")
+    return found
+
+
+def write_source(mutant: Mutant, root: Path) -> Path:
+    """The mutated module on disk (ranks import it from there), named by its content."""
+    source = mutant.source(root)
+    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / "labkit-mutants" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{mutant.module}.py"
+    if not path.exists():
+        path.write_text(source)
+    return path
+
+
+# ----------------------------------------------------------------------------- swapping in
+
+
+def install_overrides(overrides: dict[str, str]) -> dict[str, object]:
+    """In the test process: import each ``labkit.<module>`` from the given file instead of
+    the package; return what ``sys.modules`` held before, for ``restore``. Every exercise
+    module is dropped from ``sys.modules`` first, so modules that import the swapped one
+    see the mutant. (Ranks do the same from ``LABKIT_MODULE_OVERRIDES`` as they start.)"""
+    from labkit.course.grading import CHAPTERS
+    from labkit.course.worker import import_overrides
+    saved = {f"labkit.{m}": sys.modules.pop(f"labkit.{m}", None) for m in CHAPTERS.values()}
+    import_overrides(overrides)
+    return saved
+
+
+def restore(saved: dict[str, object]) -> None:
+    import labkit
+    for name, mod in saved.items():
+        if mod is None:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = mod
+        short = name.split(".", 1)[1]
+        if mod is None and short in vars(labkit):
+            delattr(labkit, short)
+        elif mod is not None:
+            setattr(labkit, short, mod)
