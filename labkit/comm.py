@@ -108,9 +108,13 @@ class Op(tuple):
     """One expected communication op: ``Op(kind, bytes, group=None, peer=None)``.
 
     ``group``: the global ranks of its group (None: every rank); ``peer``: the other rank of
-    a send or receive (global). ``assert_ops`` compares a trace with a list of these."""
+    a send or receive (global). A send or receive is identified by its peer alone: the same
+    message may go over the world group or a subgroup that holds both ranks.
+    ``assert_ops`` compares a trace with a list of these."""
 
     def __new__(cls, kind: str, bytes: int, group=None, peer: int | None = None):
+        if kind in ("send", "recv"):
+            group = ()
         group = tuple(group) if group is not None else tuple(range(dist.get_world_size()))
         return super().__new__(cls, (kind, int(bytes), group, peer))
 

@@ -2,8 +2,10 @@
 
 Each check runs on every rank at world sizes 1-4 and compares the learner's result with a
 single-process reference (every rank rebuilds all ranks' inputs from seeds and sums them
-itself) and with the torch.distributed built-in. The tracer then checks behaviour: only
-send/recv were used, and no more bytes were sent than the ring's 2(N-1)/N * S.
+itself) and with the torch.distributed built-in. The tracer then checks the technique: the
+whole trace is the ring's and nothing else — N-1 sends of one chunk (S/N bytes) to the next
+rank of the group and N-1 receives from the previous one per pass (two passes for
+all-reduce), global ranks, the group's ring order.
 """
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -30,12 +32,20 @@ def rank_data(rank: int, shape, dtype, salt: int) -> torch.Tensor:
     return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
 
 
-def check_traffic(tracer: CommTracer, task_id: str, rank: int, limit_bytes: float) -> None:
+def ring_ops(members: list[int], rank: int, chunk_bytes: int, passes: int) -> list[Op]:
+    """The ring's whole trace on ``rank``: per pass, N-1 sends of one chunk to the next
+    member and N-1 receives from the previous one (global ranks)."""
+    n, me = len(members), members.index(rank)
+    nxt, prv = members[(me + 1) % n], members[(me - 1) % n]
+    return passes * (n - 1) * [Op("send", chunk_bytes, members, peer=nxt), Op("recv", chunk_bytes, members, peer=prv)]
+
+
+def check_traffic(tracer: CommTracer, what: str, members: list[int], rank: int, chunk_bytes: int,
+                  passes: int = 1) -> None:
     used = tracer.kinds() - {"send", "recv"}
-    assert not used, f"{task_id}: rank {rank} called {sorted(used)}; build it from send/recv only"
-    sent = sum(e.bytes for e in tracer.events if e.kind == "send")
-    assert sent <= limit_bytes, (f"{task_id}: rank {rank} sent {sent} bytes; a ring sends "
-                                 f"at most {limit_bytes:.0f}, i.e. (N-1)/N of the buffer per pass")
+    assert not used, f"{what}: called {sorted(used)}; build it from send/recv only"
+    assert_ops(tracer, ring_ops(members, rank, chunk_bytes, passes),
+               f"{what} (a ring: {passes} x (N-1) sends of one chunk to the next rank, receives from the previous)")
 
 
 def reduce_scatter_on_rank() -> None:
@@ -52,7 +62,7 @@ def reduce_scatter_on_rank() -> None:
         builtin = torch.empty(chunk, dtype=dtype)
         dist.reduce_scatter_single(builtin, inputs[rank].clone())
         assert_close(output, builtin, what + " vs dist.reduce_scatter_single")
-        check_traffic(tracer, "collectives.reduce_scatter", rank, (n - 1) * builtin.nbytes)
+        check_traffic(tracer, what, list(range(n)), rank, builtin.nbytes)
 
 
 def all_gather_on_rank() -> None:
@@ -70,7 +80,7 @@ def all_gather_on_rank() -> None:
         builtin = torch.empty_like(output)
         dist.all_gather_single(builtin, inputs[rank])
         assert_close(output, builtin, what + " vs dist.all_gather_single")
-        check_traffic(tracer, "collectives.all_gather", rank, (n - 1) * inputs[rank].nbytes)
+        check_traffic(tracer, what, list(range(n)), rank, inputs[rank].nbytes)
 
 
 def all_reduce_on_rank(group_ranks=None) -> None:
@@ -92,7 +102,7 @@ def all_reduce_on_rank(group_ranks=None) -> None:
         dist.all_reduce(builtin, group=group)
         assert_close(tensor, builtin, what + " vs dist.all_reduce")
         chunk_bytes = -(-builtin.numel() // n) * builtin.element_size()  # ceil(S/N), padded
-        check_traffic(tracer, "collectives.all_reduce", rank, 2 * (n - 1) * chunk_bytes)
+        check_traffic(tracer, what, members, rank, chunk_bytes, passes=2)
 
 
 @task("collectives.reduce_scatter", points=1)
