@@ -1,8 +1,9 @@
 """The Gradescope bundle, end to end: ``labkit autograder 00`` is unpacked into a simulated
 ``/autograder`` layout and ``run_autograder`` grades four submissions: the reference (full
 marks), the stubs (zero), one whose all-gather hangs and one whose reduce-scatter kills its
-rank. The last two lose exactly the tests that use the broken function, within the time
-limit per launch, and every run writes ``results/results.json``.
+rank. The last two lose exactly the tasks that use the broken function (a task scores only
+when all of its tests pass), within the time limit per launch, and every run writes
+``results/results.json``. The bundle carries the hidden tests a workspace lacks.
 """
 
 import json
@@ -38,7 +39,9 @@ def test_the_bundle_has_what_gradescope_expects_and_no_solutions(bundle):
     with zipfile.ZipFile(bundle) as z:
         names = set(z.namelist())
         assert {"setup.sh", "run_autograder", "autograder.json", "labkit/collectives.py",
-                "tests/grading/test_collectives.py", ".labkit-workspace"} <= names
+                "tests/grading/test_collectives.py", ".labkit-workspace",
+                "tests/grading/hidden/test_collectives.py"} <= names
+        assert not any(n.startswith("tests/mutants/") for n in names), "the mutants quote the solutions"
         assert z.getinfo("run_autograder").external_attr >> 16 & 0o111, "run_autograder must be executable"
         assert json.loads(z.read("autograder.json")) == {"chapters": ["collectives"], "timeout": LIMIT}
         exercises = [n for n in names if re.fullmatch(r"labkit/\w+\.py", n) and b"NotImplementedError(" in z.read(n)]
@@ -66,9 +69,11 @@ def submissions() -> dict[str, tuple[str, str]]:
             "hang": (hang, "labkit/collectives.py"), "kill": (kill, "my files/collectives.py")}
 
 
-# (score, tests that must fail): 13 points in chapter 00, one per test.
-EXPECTED = {"reference": (13, set()), "stub": (0, {"reduce_scatter", "all_gather", "all_reduce"}),
-            "hang": (4, {"all_gather", "all_reduce"}), "kill": (4, {"reduce_scatter", "all_reduce"})}
+# (score, tasks that must score nothing): chapter 00 carries 11 points, one per test at world
+# sizes 2-4 and on subgroups, the hidden one included; world size 1 is a diagnostic.
+MAX_SCORE = 11
+EXPECTED = {"reference": (11, set()), "stub": (0, {"reduce_scatter", "all_gather", "all_reduce"}),
+            "hang": (3, {"all_gather", "all_reduce"}), "kill": (3, {"reduce_scatter", "all_reduce"})}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -92,9 +97,12 @@ def test_run_autograder_scores_a_submission(bundle, tmp_path, name):
     assert results_file.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(results_file.read_text())
     score, failing = EXPECTED[name]
-    assert (results["score"], results["max_score"]) == (score, 13), results.get("output")
-    failed = {re.search(r"collectives\.(\w+)", t["name"])[1] for t in results["tests"] if t["score"] == 0}
-    assert failed == failing, [t["name"] for t in results["tests"] if t["score"] == 0]
+    assert (results["score"], results["max_score"]) == (score, MAX_SCORE), results.get("output")
+    failed = {re.search(r"collectives\.(\w+)", t["name"])[1] for t in results["tests"]
+              if t["score"] < t["max_score"]}
+    assert failed == failing, [t["name"] for t in results["tests"] if t["score"] < t["max_score"]]
+    hidden = [t for t in results["tests"] if "hidden" in t["name"]]
+    assert len(hidden) == 1 and hidden[0]["visibility"] == "after_published", hidden
     if name == "hang":  # three hung tests, each cut at the limit; the others skip their repeats
         assert elapsed < 3 * LIMIT + 60, elapsed
         hung = [t for t in results["tests"] if "no result within" in t["output"]]

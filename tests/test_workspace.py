@@ -4,6 +4,7 @@ with a failure that names it, and the infrastructure tests green in both trees."
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -49,12 +50,17 @@ def test_the_workspace_stubs_every_solution_and_keeps_the_rest(student):
     for folder in ("chapters", "tests"):
         for path in (ROOT / folder).rglob("*"):
             if path.is_file() and "__pycache__" not in path.parts:
-                assert (student / path.relative_to(ROOT)).read_bytes() == path.read_bytes(), path
+                private = any(path.relative_to(ROOT).as_posix().startswith(p) for p in workspace.PRIVATE)
+                copy = student / path.relative_to(ROOT)
+                assert copy.exists() != private, f"{path}: {'copied, but private' if private else 'missing'}"
+                if not private:
+                    assert copy.read_bytes() == path.read_bytes(), path
     for lab in (student / "labs").glob("*.ipynb"):
         cells = json.loads(lab.read_text())["cells"]
         assert all(not c.get("outputs") for c in cells), f"{lab.name} still shows reference outputs"
-    listed = (student / workspace.MARKER_FILE).read_text().split()
+    listed = workspace.listed_tasks(student)
     assert sorted(listed) == sorted({r.task for r in regions})
+    assert all(listed[r.task] for r in regions), "every task's hint is kept in the workspace's list"
 
 
 def test_every_task_scores_zero_on_its_stub_and_says_which(student, tmp_path):
@@ -69,10 +75,17 @@ def test_every_task_scores_zero_on_its_stub_and_says_which(student, tmp_path):
         assert "NotImplementedError" in test["output"] and test["output"].startswith(f"FAILED {task} "), \
             f"{test['name']}: the failure does not name the task's stub:\n{test['output']}"
     assert tasks_seen == set(listed_tasks(student))
+    # `labkit tasks` reads each task's points from the tests' source: the same as grading awards.
+    from labkit.course import catalog
+    awarded = {}
+    for test in results["tests"]:
+        task = test["name"].split(" :: ")[0]
+        awarded[task] = awarded.get(task, 0) + test["max_score"]
+    assert catalog.static_points(student) == awarded
 
 
 def listed_tasks(tree: Path) -> list[str]:
-    return (tree / workspace.MARKER_FILE).read_text().split()
+    return list(workspace.listed_tasks(tree))
 
 
 def installed_labkit() -> list[str]:
@@ -100,7 +113,7 @@ def test_grading_uses_the_tree_you_stand_in_whatever_labkit_is_installed(student
     proc = subprocess.run([*installed_labkit(), "grade", "00"], cwd=ROOT, capture_output=True, text=True,
                           env=dict(env, PYTHONPATH=str(student)), timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"grading {ROOT} (reference solutions)" in proc.stdout and "13/13" in proc.stdout, proc.stdout
+    assert f"grading {ROOT} (reference solutions)" in proc.stdout and "11/11" in proc.stdout, proc.stdout
 
 
 def test_grading_refuses_outside_a_course_tree(tmp_path):
@@ -112,14 +125,36 @@ def test_grading_refuses_outside_a_course_tree(tmp_path):
 def test_one_task_can_be_graded_and_tasks_list_file_line_and_hint(student):
     proc = run_in(student, "-m", "labkit.course.cli", "tasks")
     assert proc.returncode == 0, proc.stderr
-    for region in workspace.all_regions(ROOT / "labkit"):
-        assert f"{region.task}" in proc.stdout and region.hint in proc.stdout
+    for task, hint in workspace.tasks(ROOT / "labkit").items():  # the first region's hint
+        assert f"{task}" in proc.stdout and hint in proc.stdout
     assert "labkit/collectives.py:" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines() if re.match(r"\d\d  ", line)]
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows), "tasks in chapter order"
+    assert len(rows) == len(workspace.tasks(ROOT / "labkit")), "one line per task"
+    assert all(r[3] == "stub" for r in rows), rows
     proc = run_in(student, "-m", "labkit.course.cli", "grade", "collectives.reduce_scatter")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     table = proc.stdout[proc.stdout.index("task "):]
     assert "collectives.reduce_scatter" in table and "0/4" in table
     assert "collectives.all_gather" not in table, table
+
+
+def test_tasks_lists_every_task_without_torch_even_with_a_module_pasted_whole(student, tmp_path):
+    """A learner who replaced a whole module (here with one that still has solution markers)
+    still sees every task of every chapter; the listing never imports torch."""
+    tree = tmp_path / "pasted"
+    shutil.copytree(student, tree)
+    shutil.copy(ROOT / "labkit" / "collectives.py", tree / "labkit" / "collectives.py")
+    (tree / "labkit" / "dp.py").write_text((ROOT / "labkit" / "dp.py").read_text().replace("# BEGIN SOLUTION", "#")
+                                           .replace("# END SOLUTION", "#"))
+    script = ("import sys; from labkit.course import cli; code = cli.main(['tasks']); "
+              "assert 'torch' not in sys.modules, 'labkit tasks imported torch'; sys.exit(code)")
+    proc = run_in(tree, "-c", script)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {line.split()[1]: line.split()[3] for line in proc.stdout.splitlines() if re.match(r"\d\d  ", line)}
+    assert set(rows) == set(workspace.tasks(ROOT / "labkit")), sorted(set(workspace.tasks(ROOT / "labkit")) - set(rows))
+    assert rows["collectives.all_reduce"] == "solution" and rows["dp.sampler"] == "written"
+    assert rows["ddp.bucketed"] == "stub"
 
 
 EXERCISE_USE = re.compile(r"labkit[./](?:" + "|".join(grading.CHAPTERS.values()) + r")\b"

@@ -39,11 +39,16 @@ def tasks(root: Path) -> list[TaskInfo]:
         path = pkg / f"{module}.py"
         seen: dict[str, TaskInfo] = {}
         if path.exists():
+            places: dict[str, int] = {}
             for region, status in [(r, "solution") for r in workspace.find_regions(path)] + \
                                   [(r, "stub") for r in workspace.find_stubs(path)]:
+                places[region.task] = places.get(region.task, 0) + 1
                 if region.task not in seen:
                     seen[region.task] = TaskInfo(region.task, chapter, f"labkit/{module}.py:{region.begin + 1}",
                                                  region.hint, points.get(region.task), status)
+            for task, count in places.items():  # a task of several regions: say how many more
+                if count > 1:
+                    seen[task].hint += f"  (+{count - 1} more in this file)"
         # A task whose stub is gone (written, or the module replaced whole) is still listed.
         for task, hint in listed.items():
             if task.split(".")[0] == module and task not in seen:

@@ -86,6 +86,7 @@ _active_mutant = ""   # the mutant swapped in for the running test ("" = the tre
 
 def run_graded(task_id: str, fn, world_size: int, *args, timeout: float = 60, **kwargs) -> list:
     """``labkit.launch`` for a graded test: any failure is reported under the task's id."""
+    __tracebackhide__ = True  # pytest shows the test and the rank's traceback, not this frame
     from labkit.launch import Deadlock, LaunchError, LaunchTimeout, WorkerError, launch
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split("[")[0].split(" ")[0] + _active_mutant
     if test in _given_up:
@@ -279,6 +280,8 @@ def pytest_runtest_makereport(item, call):
     if report.failed or (report.skipped and record["outcome"] == "passed"):
         record["outcome"] = "failed" if report.failed else "skipped"
         error = call.excinfo.value if call.excinfo is not None else None
+        if getattr(error, "details", ""):  # the rank's own traceback, printed as lines
+            report.sections.append((f"where it failed (world size {error.world_size})", error.details))
         record["output"] = _failure_text(report, error)
         record["details"] = getattr(error, "details", "") or str(report.longrepr)
         record["frame"] = learner_frame(record["details"] + "\n" + str(report.longrepr))

@@ -1,0 +1,59 @@
+"""The grader's own rules: forbidden built-ins are found however they are spelled, the
+reference modules use none, and the mutants file format is checked before anything runs."""
+
+from pathlib import Path
+
+import pytest
+
+from labkit.course import mutants, rules, workspace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("source, found", [
+    ("import torch.distributed as dist\ndist.all_reduce(t)\n", "torch.distributed.all_reduce"),
+    ("from torch.distributed import all_reduce as ar\nar(t)\n", "torch.distributed.all_reduce"),
+    ("import torch\ntorch.distributed.all_gather_into_tensor(o, i)\n", "torch.distributed.all_gather_into_tensor"),
+    ("import torch.distributed as dist\ngetattr(dist, 'reduce_scatter_single')(o, i)\n",
+     "torch.distributed.reduce_scatter_single"),
+    ("import importlib\nimportlib.import_module('torch.distributed._functional_collectives')\n",
+     "torch.distributed._functional_collectives"),
+])
+def test_a_forbidden_name_is_found_however_it_is_spelled(source, found):
+    uses = rules.forbidden_uses("collectives", source)
+    assert any(use.endswith(found) for use in uses), uses
+    with pytest.raises(AssertionError, match=r"collectives.all_reduce: labkit/collectives.py uses PyTorch's own"):
+        rules.check("collectives.all_reduce", source)
+
+
+def test_allowed_names_and_docstrings_pass():
+    source = ('"""Like torch.distributed.all_reduce, built from send/recv."""\n'
+              "import torch.distributed as dist\ndist.isend(t, 1)\ndist.batch_isend_irecv([])\n")
+    assert rules.forbidden_uses("collectives", source) == []
+    assert rules.forbidden_uses("ddp", "import torch.distributed as dist\ndist.all_reduce(t)\n") == []
+    assert rules.forbidden_uses("pp", "from torch.distributed.pipelining import Schedule1F1B\n")
+
+
+@pytest.mark.parametrize("module", sorted(rules.FORBIDDEN))
+def test_the_reference_uses_no_forbidden_name(module):
+    path = ROOT / "labkit" / f"{module}.py"
+    if not workspace.find_regions(path):
+        pytest.skip("a learner workspace: the module is the learner's")
+    assert rules.forbidden_uses(module, path.read_text()) == []
+
+
+def test_every_chapter_module_has_a_rule():
+    from labkit.course.grading import CHAPTERS
+    assert set(CHAPTERS.values()) == set(rules.FORBIDDEN)
+
+
+def test_a_mutant_must_match_its_module_exactly_once(tmp_path):
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "demo.py").write_text("x = 1\ny = 1\n")
+    ok = mutants.Mutant("demo.task", "two", "why", find="x = 1", replace="x = 2")
+    assert ok.source(tmp_path) == "x = 2\ny = 1\n" and ok.id == "demo.task/two"
+    for find, count in (("z = 1", 0), ("= 1", 2)):
+        with pytest.raises(ValueError, match=f"occurs {count} times"):
+            mutants.Mutant("demo.task", "bad", "why", find=find, replace="").source(tmp_path)
+    with pytest.raises(SyntaxError):
+        mutants.Mutant("demo.task", "broken", "why", find="x = 1", replace="x = (").source(tmp_path)
