@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.course import deadlock
+from labkit.runtime import deadlock
 
 REPORT_WITHIN = 10.0  # seconds from the call to the report, for every real deadlock here
 

@@ -117,7 +117,7 @@ def run_graded(task_id: str, fn, world_size: int, *args, timeout: float = 60, **
 
 def _innermost(stack: str) -> str:
     """'file.py:12 in fn' for the innermost frame outside torch, or the stack's own note."""
-    from labkit.course.deadlock import FRAME, location
+    from labkit.runtime.deadlock import FRAME, location
     for file, line, fn in FRAME.findall(stack):
         if "/torch/" not in file:
             return f"{location(file, int(line))} in {fn}"

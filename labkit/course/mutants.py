@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.course.worker import OVERRIDES_ENV  # {module: source file}, read by every rank
+from labkit.runtime.worker import OVERRIDES_ENV  # {module: source file}, read by every rank
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def install_overrides(overrides: dict[str, str]) -> dict[str, object]:
     module is dropped from ``sys.modules`` first, so modules that import the swapped one
     see the mutant. (Ranks do the same from ``LABKIT_MODULE_OVERRIDES`` as they start.)"""
     from labkit.course.grading import CHAPTERS
-    from labkit.course.worker import import_overrides
+    from labkit.runtime.worker import import_overrides
     saved = {f"labkit.{m}": sys.modules.pop(f"labkit.{m}", None) for m in CHAPTERS.values()}
     import_overrides(overrides)
     return saved

@@ -18,7 +18,7 @@ import os
 import select
 import sys
 
-from labkit.course import deadlock, worker  # imports torch: the whole point of this process
+from labkit.runtime import deadlock, worker  # imports torch: the whole point of this process
 
 # Imported once here rather than in every rank. torch._dynamo is the big one: the first
 # TorchDispatchMode (our tracer, DTensor, FSDP2) pulls it in, at ~2 s a rank. Exercise

@@ -22,7 +22,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.course import deadlock
+from labkit.runtime import deadlock
 
 OVERRIDES_ENV = "LABKIT_MODULE_OVERRIDES"  # JSON {exercise module: source file} (mutation testing)
 COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
