@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 labs/04_fsdp.py
     python labs/04_fsdp.py --world-size 4        # labkit.launch starts the ranks
 
-It shards the lab GPT (``labkit.course.bench.FSDP_BENCH_GPT``: 4 blocks and a root unit holding the
+It shards the lab GPT (``labkit.oracles.FSDP_BENCH_GPT``: 4 blocks and a root unit holding the
 tied wte/lm_head) with your ``fully_shard`` (``labkit/fsdp.py``) and with
 ``torch.distributed.fsdp.fully_shard``; trains both and a single-process model for 5 AdamW
 steps in float64 and compares losses and parameters on every rank; traces one step's bytes
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench import FSDP_BENCH_GPT
+from labkit.oracles import FSDP_BENCH_GPT
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens
 from labkit.course.labscript import lab_arguments, run_lab

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.course.bench import builtin_tensor_parallel
+from labkit.oracles import builtin_tensor_parallel
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.memory import param_bytes

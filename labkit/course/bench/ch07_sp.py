@@ -1,0 +1,115 @@
+"""``labkit bench`` rows of chapter 07 (sp): the course's implementation vs PyTorch's."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.course.bench.runner import BenchRow, row
+from labkit.launch import launch
+from labkit.oracles import SP_BENCH_GPT, builtin_sequence_parallel
+from labkit.timing import interleaved_medians
+
+SP_ATTENTION = dict(batch=1, heads=8, head_dim=32, tokens=2048)  # the whole sequence, over all ranks
+
+
+def _attention_vs_sdpa(kind: str, repeats: int, causal: bool) -> dict:
+    """Forward + backward of causal attention over the whole sequence: this rank's rows with
+    ring attention (or Ulysses) vs unsharded SDPA of the whole sequence on every rank."""
+    from labkit import sp
+    from labkit.comm import CommTracer
+    n, rank = dist.get_world_size(), dist.get_rank()
+    b, h, d, t = (SP_ATTENTION[key] for key in ("batch", "heads", "head_dim", "tokens"))
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(b, h, t, d, generator=gen) for _ in range(3)]
+    rows = sp.contiguous_positions(t, rank, n)
+    mine = [x.index_select(2, rows) for x in full]
+
+    def ours(_):
+        q, k, v = (x.detach().requires_grad_() for x in mine)
+        out = sp.ring_attention(q, k, v, rows, causal) if kind == "ring" else sp.ulysses_attention(q, k, v, causal)
+        out.sum().backward()
+
+    def builtin(_):
+        q, k, v = (x.detach().requires_grad_() for x in full)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
+
+    medians = interleaved_medians({"ours": ours, "builtin": builtin}, lambda: None, repeats, warmup=2)
+    with CommTracer() as tracer:
+        ours(None)
+    shard = mine[0].numel() * mine[0].element_size()
+    if kind == "ring":  # forward: (N-1)(K + V + positions); backward: (N-1)(K, V, dK, dV, positions) + dK, dV
+        pos = rows.numel() * rows.element_size()
+        formula = (n - 1) * (2 * shard + pos) + (n - 1) * (4 * shard + pos) + (2 * shard if n > 1 else 0)
+    else:  # 4 all-to-alls of one shard each way, (N-1)/N of each leaves the rank
+        formula = 8 * (n - 1) / n * shard
+    return dict(medians, sent=tracer.sent_bytes(), formula=formula)
+
+
+def _attention_row(kind: str, repeats: int, world_size: int) -> BenchRow:
+    r = launch(_attention_vs_sdpa, world_size, kind, repeats, True, timeout=600)[0]
+    name = "ring attention" if kind == "ring" else "Ulysses"
+    return BenchRow(f"causal attention, {SP_ATTENTION['tokens']} tokens, {name} on {world_size} ranks vs SDPA unsharded",
+                    r["ours"], r["builtin"], r["sent"], r["formula"])
+
+
+@row("sp_ring")
+def sp_ring_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
+    """ring attention (chapter 07) vs unsharded SDPA"""
+    return _attention_row("ring", repeats, world_size)
+
+
+@row("sp_ulysses")
+def sp_ulysses_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
+    """Ulysses (chapter 07) vs unsharded SDPA"""
+    return _attention_row("ulysses", repeats, world_size)
+
+
+
+
+
+
+def _megatron_sp_vs_builtin(repeats: int, batch: int) -> dict:
+    """Forward + backward of one transformer block on this rank's tokens: labkit.sp's block
+    vs torch's SequenceParallel plan."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit import sp
+    from labkit.comm import CommTracer
+    from labkit.models import GPT, GPTConfig
+    config = GPTConfig(**SP_BENCH_GPT)
+    n = dist.get_world_size()
+    ours = sp.sequence_parallel_block(GPT(config).blocks[0])
+    builtin = builtin_sequence_parallel(GPT(config).blocks[0], init_device_mesh("cpu", (n,)))
+    x = sp.split_sequence(torch.randn(batch, config.block_size, config.n_embd, generator=torch.Generator().manual_seed(0)))
+
+    def ours_step(_):
+        ours(x.detach().requires_grad_()).sum().backward()
+        sp.reduce_layernorm_grads([ours])
+        ours.zero_grad(set_to_none=True)
+
+    def builtin_step(_):
+        out = builtin(x.detach().requires_grad_())
+        (out.to_local() if hasattr(out, "to_local") else out).sum().backward()
+        builtin.zero_grad(set_to_none=True)
+
+    medians = interleaved_medians({"ours": ours_step, "builtin": builtin_step}, lambda: None, repeats, warmup=2)
+    sent = {}
+    for name, step in (("ours", ours_step), ("builtin", builtin_step)):
+        with CommTracer() as tracer:
+            step(None)
+        sent[name] = tracer.sent_bytes()
+    activation = batch * config.block_size * config.n_embd * 4
+    replicated = sum(p.numel() * p.element_size() for p in ours.layernorm_parameters())
+    # 2 all-gathers + 2 reduce-scatters forward, the same backward, (N-1)/N of B*T*H each;
+    # then the all-reduce of the LayerNorm (and row bias) gradients, 2(N-1)/N of them.
+    return dict(medians, sent=sent, formula=(8 * activation + 2 * replicated) * (n - 1) / n)
+
+
+@row("sp_megatron")
+def sp_megatron_row(repeats: int = 10, world_size: int = 2, batch: int = 4) -> BenchRow:
+    """the Megatron-SP block (chapter 07) vs torch's SequenceParallel plan"""
+    r = launch(_megatron_sp_vs_builtin, world_size, repeats, batch, timeout=600)[0]
+    return BenchRow(f"transformer block fwd+bwd, labkit.sp Megatron-SP vs SequenceParallel plan, {world_size} ranks",
+                    r["ours"], r["builtin"], r["sent"]["ours"], r["formula"],
+                    extra={"torch_sent": r["sent"]["builtin"]})
