@@ -2,9 +2,11 @@
 
 At the top level: one exercise module per chapter (``collectives``, ``dp``, ``ddp``,
 ``zero``, ``fsdp``, ...) and the tools the labs use beside them (``launch``, ``comm``,
-``memory``, ``models``, ``data``, ``check``, ``timing``, ``viz``). The course machinery
-(grading, the learner workspace, the autograder, benchmarks, the ``labkit`` command and
-the launcher's rank server) lives in ``labkit.course``.
+``memory``, ``models``, ``data``, ``check``, ``timing``, ``viz``, ``oracles``). The process
+runtime behind ``launch`` (rank server, worker, deadlock detection) lives in
+``labkit.runtime``; the course machinery (grading, rules, mutants, the learner workspace,
+the autograder, benchmarks, the ``labkit`` command) in ``labkit.course``. ARCHITECTURE.md
+says which may import which.
 """
 
 import os as _os
@@ -30,7 +32,7 @@ def _warn_if_another_tree() -> None:
     solutions from its notebooks without knowing it: say so once, at import."""
     if "LABKIT_RANK" in _os.environ:
         return  # a rank of a launch: its caller already checked
-    from labkit.course.workspace import find_course_root, package_dir
+    from labkit.trees import find_course_root, package_dir
     here, mine = find_course_root(), package_dir().parent
     if here is not None and here != mine:
         _warnings.warn(f"labkit is imported from {mine}, but you are working in {here}: code run "

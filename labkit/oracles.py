@@ -10,6 +10,14 @@ from __future__ import annotations
 
 import torch
 
+
+def heads_in_rank_order(weight: torch.Tensor, world: int) -> torch.Tensor:
+    """c_attn's rows [Q | K | V] reordered to [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...], so that a
+    contiguous split over ``world`` ranks (what torch's plans do) gives each rank whole heads
+    of Q, K and V, as the course's head-parallel attention holds them."""
+    q, k, v = weight.chunk(3, 0)
+    return torch.cat([torch.cat([t.chunk(world, 0)[r] for t in (q, k, v)]) for r in range(world)])
+
 # A GPT with 0.83 M parameters (3.3 MB of fp32 gradients): big enough that a step is tens of
 # milliseconds of compute and a few MB of all-reduce, small enough for a laptop.
 DDP_BENCH_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -41,12 +49,11 @@ def builtin_tensor_parallel(model, mesh):
         parallelize_module,
     )
 
-    from labkit.tp import shard
     n = mesh.size()
     with torch.no_grad():
         for block in model.blocks:
             for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
-                p.copy_(torch.cat([shard(p, 0, r, n, parts=3) for r in range(n)]))
+                p.copy_(heads_in_rank_order(p, n))
     plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
     for i in range(len(model.blocks)):
@@ -77,11 +84,10 @@ def builtin_sequence_parallel(block, mesh):
         parallelize_module,
     )
 
-    from labkit.tp import shard
     n = mesh.size()
     with torch.no_grad():  # rank r's contiguous slice of c_attn must hold its own heads' Q, K, V
         for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
-            p.copy_(torch.cat([shard(p, 0, r, n, parts=3) for r in range(n)]))
+            p.copy_(heads_in_rank_order(p, n))
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": gather, "mlp": gather,
             "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),

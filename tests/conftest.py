@@ -7,3 +7,18 @@ pytest_plugins = ["labkit.course.grading"]
 # Tests that exercise the reference solutions (not the infrastructure) skip in a learner
 # workspace, where those solutions are stubs; the infrastructure tests run in both trees.
 needs_solutions = pytest.mark.skipif(is_student_workspace(), reason="needs the reference solutions")
+
+
+def pytest_sessionstart(session):
+    session.config._labkit_started = __import__("time").time()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The mutation tests' verdict, ``mutants killed: K of M``, at the end of the log (it is
+    written by tests/test_mutants.py, perhaps in another xdist worker, during this session)."""
+    from pathlib import Path
+    summary = Path(__file__).resolve().parent.parent / "build" / "mutants-summary.txt"
+    started = getattr(config, "_labkit_started", None)
+    if started and summary.exists() and summary.stat().st_mtime >= started and not hasattr(config, "workerinput"):
+        terminalreporter.write_sep("-", "mutation testing of the grader")
+        terminalreporter.write(summary.read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.course.grading import CHAPTERS
+from labkit.course.chapters import CHAPTERS
 from tests.conftest import needs_solutions
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.course import workspace
+from labkit.course.chapters import CHAPTERS  # noqa: F401 - number -> module, re-exported
 
-CHAPTERS = {"00": "collectives", "01": "dp", "02": "ddp", "03": "zero", "04": "fsdp",
-            "05": "tp", "06": "pp", "07": "sp", "08": "mesh", "09": "elastic"}
 
 
 @dataclass

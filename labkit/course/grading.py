@@ -38,10 +38,8 @@ from pathlib import Path
 import pytest
 
 from labkit.course import workspace
+from labkit.course.chapters import CHAPTERS  # noqa: F401 - number -> module, re-exported
 
-# Chapter number -> exercise module; tests live in tests/grading/test_<module>.py.
-CHAPTERS = {"00": "collectives", "01": "dp", "02": "ddp", "03": "zero", "04": "fsdp",
-            "05": "tp", "06": "pp", "07": "sp", "08": "mesh", "09": "elastic"}
 HIDDEN_DIR = "hidden"  # tests/grading/hidden/: graded, left out of learner workspaces
 OUTPUT_LIMIT = 4000    # characters of failure text kept per test in results.json
 TIMEOUT_ENV = "LABKIT_GRADE_TIMEOUT"  # caps every graded launch's timeout (autograders set it)

@@ -16,11 +16,13 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.trees import find_course_root, is_course_root, package_dir  # noqa: F401 - re-exported
+
 TASK_ID = r"[a-z0-9_]+\.[a-z0-9_]+"   # chapter.task, such as ddp.bucketed
 BEGIN = re.compile(rf"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>{TASK_ID}):?\s*(?P<hint>.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
-COPIED = ["README.md", "pyproject.toml", "environment.yml", ".gitignore",
+COPIED = ["README.md", "ARCHITECTURE.md", "pyproject.toml", "environment.yml", ".gitignore",
           "labkit", "chapters", "labs", "tests"]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
 # What a learner never gets: hidden graded tests (the autograder bundle adds them back) and
@@ -45,26 +47,6 @@ class Region:
     path: Path
     begin: int   # 0-based line numbers of the two marker lines
     end: int
-
-
-def package_dir() -> Path:
-    """The ``labkit`` package Python imported (not ``labkit/course``)."""
-    return Path(__file__).resolve().parent.parent
-
-
-def is_course_root(path: Path) -> bool:
-    """A clone of the course or a learner workspace: labkit/, tests/grading/, pyproject.toml."""
-    return ((path / "labkit" / "__init__.py").is_file() and (path / "tests" / "grading").is_dir()
-            and (path / "pyproject.toml").is_file())
-
-
-def find_course_root(start: Path | None = None) -> Path | None:
-    """The course tree that contains ``start`` (default: the working directory), or None."""
-    here = Path(start or Path.cwd()).resolve()
-    for candidate in (here, *here.parents):
-        if is_course_root(candidate):
-            return candidate
-    return None
 
 
 def course_root() -> Path:

@@ -1,0 +1,95 @@
+"""The house rules of ``labkit/`` (ARCHITECTURE.md): four rooms, imports one way.
+
+    runtime    labkit/runtime/*                    imports only the runtime
+    tools      launch, comm, memory, models, ...   imports tools and the runtime
+    exercises  one module per chapter              imports exercises, tools and the runtime
+    course     labkit/course/*                     imports anything; only the course imports it
+
+Every import counts, at the top of a module or inside a function, and the graph of module
+imports has no cycle outside the course machinery.
+"""
+
+import ast
+from pathlib import Path
+
+from labkit.course.chapters import CHAPTERS
+
+PACKAGE = Path(__file__).resolve().parent.parent / "labkit"
+EXERCISES = set(CHAPTERS.values())
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("runtime", "course"):
+        return parts[1]
+    if len(parts) > 1 and parts[1] in EXERCISES:
+        return "exercises"
+    return "tools"  # labkit itself, launch, comm, memory, models, data, check, timing, viz, oracles, trees
+
+
+ALLOWED = {"runtime": {"runtime"}, "tools": {"tools", "runtime"},
+           "exercises": {"exercises", "tools", "runtime"}, "course": {"course", "exercises", "tools", "runtime"}}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def labkit_imports(path: Path) -> set[str]:
+    """Every labkit module ``path`` imports (``from labkit import pp`` counts as labkit.pp)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "labkit"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "labkit":
+            for a in node.names:
+                candidate = f"{node.module}.{a.name}"
+                is_module = (PACKAGE.parent / Path(*candidate.split("."))).with_suffix(".py").exists() or \
+                    (PACKAGE.parent / Path(*candidate.split("."))).is_dir()
+                found.add(candidate if is_module else node.module)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): labkit_imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for module, imports in graph().items():
+        if module == "labkit":
+            continue  # the package's face: its lazy attributes name the launcher (a tool)
+        for target in imports:
+            if room(target) not in ALLOWED[room(module)]:
+                wrong.append(f"{module} ({room(module)}) imports {target} ({room(target)})")
+    assert not wrong, "upward imports:\n  " + "\n  ".join(sorted(wrong))
+
+
+def test_no_import_cycle_outside_the_course():
+    edges = {m: {t for t in ts if room(t) != "course" and t != m} for m, ts in graph().items() if room(m) != "course"}
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in edges.get(node, ()):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in edges:
+        if node not in state:
+            visit(node, [node])
+
+
+def test_every_chapter_has_its_files():
+    """The five files of a chapter (ARCHITECTURE.md's checklist)."""
+    root = PACKAGE.parent
+    for number, module in CHAPTERS.items():
+        assert (root / "labkit" / f"{module}.py").exists(), module
+        assert (root / "tests" / "grading" / f"test_{module}.py").exists(), module
+        for folder, suffix in (("chapters", ".ipynb"), ("labs", ".ipynb"), ("labs", ".py")):
+            assert list((root / folder).glob(f"{number}_*{suffix}")), f"{folder}/{number}_*{suffix} missing"
