@@ -70,8 +70,8 @@ def test_every_task_has_graded_tests_and_every_graded_test_a_known_task():
 def test_grading_files_resolve_chapter_numbers_and_names():
     by_number = grading.grading_files(["00"], ROOT)
     assert by_number == grading.grading_files(["collectives"], ROOT)
-    assert by_number == [ROOT / "tests" / "grading" / "test_collectives.py",
-                         ROOT / "tests" / "grading" / "hidden" / "test_collectives.py"]  # hidden tests too
+    hidden = ROOT / "tests" / "grading" / "hidden" / "test_collectives.py"  # not in a workspace
+    assert by_number == [ROOT / "tests" / "grading" / "test_collectives.py"] + [hidden] * hidden.exists()
     with pytest.raises(ValueError, match="no graded chapter 'nope'"):
         grading.grading_files(["nope"], ROOT)
 

@@ -223,7 +223,7 @@ def test_a_deadlocking_ring_grades_in_seconds_with_every_wait_named(tmp_path):
     elapsed = time.monotonic() - start
     assert elapsed < 60, f"grading took {elapsed:.0f} s"
     outputs = {t["name"].split("::")[-1]: t["output"] for t in results["tests"]}
-    assert results["score"] == 6, proc.stdout  # reduce-scatter 4/4, all-gather 1/4, all-reduce 1/5
+    assert results["score"] == 3, proc.stdout  # reduce-scatter 3/3; all-gather and all-reduce lose all
     deadlocked = [name for name, out in outputs.items() if "deadlock after" in out]
     assert sorted(deadlocked) == ["test_all_gather[2]", "test_all_reduce[2]", "test_all_reduce_on_a_subgroup"], outputs
     for name in deadlocked:

@@ -80,7 +80,8 @@ def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 
                 info = zipfile.ZipInfo(name)
                 info.external_attr = 0o755 << 16  # executable once unpacked
                 bundle.writestr(info, text)
-            config = dict(chapters=[f.stem.removeprefix("test_") for f in files], timeout=timeout)
+            chapters = list(dict.fromkeys(f.stem.removeprefix("test_") for f in files))  # hidden files too
+            config = dict(chapters=chapters, timeout=timeout)
             bundle.writestr(CONFIG, json.dumps(config, indent=1) + "\n")
             for part in RELEASE_PARTS:
                 path = release / part

@@ -1,4 +1,4 @@
-"""The ``labkit`` command: grade, tasks, workspace, autograder, bench.
+"""The ``labkit`` command: grade, tasks, workspace, autograder, bench, doctor.
 
 Every command works on the course tree you stand in (a clone or a learner workspace; the
 nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
@@ -79,6 +79,11 @@ def cmd_autograder(args, root: Path) -> int:
     return 0
 
 
+def cmd_doctor(args, root: Path | None) -> int:
+    from labkit.course import doctor
+    return doctor.main(args.world_size, args.megabytes, args.repeats, run=not args.no_run)
+
+
 def cmd_bench(args, root: Path | None) -> int:
     from labkit.course import bench
     if args.list:
@@ -121,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("-o", "--output", default="autograder.zip", help="zip to write")
     ag.add_argument("--timeout", type=float, default=60, help="seconds per graded launch")
     ag.set_defaults(run=cmd_autograder)
+
+    doctor = sub.add_parser("doctor", help="versions, GPUs, the backend launch picks, and a measured all-reduce")
+    doctor.add_argument("--world-size", type=int, help="ranks for the measurement (default: GPUs, or 2)")
+    doctor.add_argument("--megabytes", type=float, default=16, help="message size")
+    doctor.add_argument("--repeats", type=int, default=5, help="timed repetitions")
+    doctor.add_argument("--no-run", action="store_true", help="only the facts; start no process")
+    doctor.set_defaults(run=cmd_doctor, outside_ok=True)
 
     bench = sub.add_parser("bench", help="time course implementations against PyTorch built-ins")
     bench.add_argument("rows", nargs="*", help="rows to run (default: all)")

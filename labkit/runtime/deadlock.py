@@ -203,8 +203,9 @@ class Snapshot:
 
     @property
     def frames(self) -> list[tuple[str, int, str]]:
-        """(file, line, function) of the stack, innermost first."""
-        return [(f, int(n), fn) for f, n, fn in FRAME.findall(self.stack)]
+        """(file, line, function) of the stack, innermost first; the communication tracer's
+        own wrapper (``Work.wait`` seen through ``labkit.comm``) is left out."""
+        return [(f, int(n), fn) for f, n, fn in FRAME.findall(self.stack) if not f.endswith(TRACER_FILE)]
 
     @property
     def in_communication(self) -> bool:
@@ -237,6 +238,7 @@ class Snapshot:
 
 
 FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+TRACER_FILE = os.path.join("labkit", "comm.py")  # wraps Work.wait while tracing: never the learner's line
 NOTEBOOK_CELL = re.compile(r"/ipykernel_\d+/\d+\.py$")  # where IPython keeps a cell's code
 
 

@@ -141,7 +141,7 @@ def builtin_2d_on_rank(dp: int, tp: int):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from labkit.course.bench import builtin_tensor_parallel
+    from labkit.oracles import builtin_tensor_parallel
     from labkit.mesh import RankGrid, dp_slice, train_2d
     from labkit.models import GPT
     torch.set_num_threads(1)
