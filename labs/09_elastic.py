@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -67,12 +68,16 @@ def build():
 
 
 class Batches:
-    """This rank's share of the global batch of a step (a class, so that ``Job`` pickles it)."""
+    """This rank's share of the global batch of a step (a class, so that ``Job`` pickles it).
+    ``pause``: seconds to wait per step, so that a step lasts long enough to be interrupted."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, pause: float = 0.0):
         self.x, self.y = tokens(steps)
+        self.pause = pause
 
     def __call__(self, step: int):
+        if self.pause:
+            time.sleep(self.pause)
         rank, n = dist.get_rank(), dist.get_world_size()
         share = BATCH // n
         first = step * BATCH + rank * share
@@ -98,7 +103,7 @@ def single_process(steps: int):
     return losses, {name: p.detach() for name, p in model.named_parameters()}
 
 
-def main(root: str, steps: int, save_every: int, fail_at: int | None) -> dict:
+def main(root: str, steps: int, save_every: int, fail_at: int | None, pause: float = 0.0) -> dict:
     from labkit.elastic import Job, latest_checkpoint, load_checkpoint, resume_training
     from labkit.fsdp import full_state_dict
     torch.set_num_threads(1)
@@ -110,7 +115,7 @@ def main(root: str, steps: int, save_every: int, fail_at: int | None) -> dict:
             where = f"resuming from {latest.name}" if latest is not None else "no checkpoint yet, starting at step 0"
             print(f"attempt {restart_count()}: {where}", flush=True)
         victim = None if fail_at is None else (min(1, n - 1), fail_at)
-        job = Job(build=build, batch=Batches(steps), loss=gpt_loss, steps=steps, root=root,
+        job = Job(build=build, batch=Batches(steps, pause), loss=gpt_loss, steps=steps, root=root,
                   save_every=save_every, samples_per_step=BATCH, fail_at=victim)
         out["losses"] = resume_training(job)
         model, opt = build()   # the final checkpoint, loaded into a fresh model: what a restart would see
@@ -176,7 +181,8 @@ def run(args) -> None:
         sys.exit(f"labs/09_elastic.py: the global batch of {BATCH} sequences must divide by the world size ({world})")
     root, made_here = checkpoint_root(args.checkpoint_dir)
     try:
-        results = launch(main, world, root, args.steps, args.save_every, args.fail_at, backend=args.backend,
+        results = launch(main, world, root, args.steps, args.save_every, args.fail_at, args.step_pause,
+                         backend=args.backend,
                          timeout=args.timeout, max_restarts=args.max_restarts)
     except BaseException:
         if made_here and not under_torchrun():   # under torchrun the next attempt needs the directory
@@ -203,6 +209,8 @@ if __name__ == "__main__":
                         help="rank 1 SIGKILLs itself before this step, in the first attempt")
     parser.add_argument("--checkpoint-dir", default=None,
                         help="where the checkpoints go (default: a fresh directory, removed at the end)")
+    parser.add_argument("--step-pause", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long in every step (to have time to kill or add a node)")
     parser.add_argument("--max-restarts", type=int, default=3,
                         help="restarts without torchrun (under torchrun, torchrun's --max-restarts counts)")
     run(parser.parse_args())

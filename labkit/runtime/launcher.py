@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 import cloudpickle
@@ -490,15 +491,57 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
 
 
 def _torchrun_store():
-    """torchrun's store, with a prefix per restart. After a restart the agent's store still
-    holds the dead attempt's keys (the ranks' addresses); a new group that read them would
-    wait forever in init_process_group. Each attempt gets its own key space instead."""
+    """torchrun's store, with a key space of this rendezvous round's own.
+
+    torchrun's agents keep one store server across restarts and membership changes, so it
+    still holds a dead round's keys (its ranks' addresses): a new group that read them would
+    wait forever in ``init_process_group``. The ranks of a round first agree on a fresh name
+    (``_agree_on_round``) and build their group under it. (The restart count is no such name:
+    each agent counts its own restarts, and a node that rejoins starts again at 0.)"""
     env = os.environ
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"  # the agent serves it
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent, timeout=_as_timedelta(900))
-    return dist.PrefixStore(f"labkit/attempt{restart_count()}/", store)
+    return dist.PrefixStore(f"labkit/round-{_agree_on_round(store, rank, world)}/", store)
+
+
+ROUND_KEYS = "labkit/round"
+
+
+def _agree_on_round(store, rank: int, world: int, timeout: float = 900.0) -> str:
+    """A name every rank of this round agrees on, that no earlier round used.
+
+    Every rank draws a random token. Rank r > 0 keeps writing its token under its rank until
+    an answer appears under *its token* (so no stale answer can be read). Rank 0 first deletes
+    the tokens under every rank (a dead round's; the live ranks write theirs again), then
+    waits for one from each rank and answers each with its own token, the round's name.
+    Old rounds' processes are all gone when a new round starts (torchrun stops every worker
+    before it rendezvouses again), so whatever rank 0 reads after its deletion is fresh."""
+    token = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout
+    if rank == 0:
+        for r in range(1, world):
+            store.delete_key(f"{ROUND_KEYS}/hello/{r}")
+        tokens = []
+        for r in range(1, world):
+            key = f"{ROUND_KEYS}/hello/{r}"
+            while not store.check([key]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {r} never joined this torchrun round")
+                time.sleep(0.02)
+            tokens.append(store.get(key).decode())
+        for other in tokens:
+            store.set(f"{ROUND_KEYS}/answer/{other}", token)
+        return token
+    answer = f"{ROUND_KEYS}/answer/{token}"
+    while True:
+        store.set(f"{ROUND_KEYS}/hello/{rank}", token)
+        if store.check([answer]):
+            return store.get(answer).decode()
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never answered in this torchrun round")
+        time.sleep(0.02)
 
 
 def _destroy_process_group() -> None:
