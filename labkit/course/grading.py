@@ -198,6 +198,7 @@ def pytest_generate_tests(metafunc):
     if marker is None or not metafunc.config.getoption("--mutants"):
         return
     chosen = [m for m in _mutants(metafunc.config) if m.task == marker.args[0]]
+    metafunc.config._labkit_mutants_used.update(m.id for m in chosen)  # only these are reported
     if chosen:
         metafunc.parametrize("labkit_exercise", chosen, indirect=True, ids=[m.name for m in chosen])
 
@@ -212,6 +213,7 @@ def _mutants(config) -> list:
             raise pytest.UsageError(f"labkit grading: no such mutant {sorted(unknown)}")
         config._labkit_mutants = [m for m in found if not wanted or m.id in wanted]
         config._labkit_fates = {}
+        config._labkit_mutants_used = set()
     return config._labkit_mutants
 
 
@@ -302,7 +304,8 @@ def pytest_terminal_summary(terminalreporter, config):
     if not config.getoption("--mutants") or not hasattr(config, "_labkit_fates"):
         return
     fates = [config._labkit_fates.get(m.id, dict(mutant=m.id, task=m.task, why=m.why, killed=False,
-                                                by="", tests=0)) for m in config._labkit_mutants]
+                                                by="", tests=0))
+             for m in config._labkit_mutants if m.id in config._labkit_mutants_used]
     write = terminalreporter.write_line
     write("")
     for fate in fates:

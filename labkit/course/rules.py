@@ -41,7 +41,7 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
     "tp": (("torch.distributed.tensor", "torch.distributed.nn", "torch.distributed._functional_collectives"),
            "chapter 05 builds tensor parallelism (parallelize_module, DTensor and loss_parallel are the oracles)"),
     "pp": (("torch.distributed.pipelining",), "chapter 06 builds the pipeline schedules"),
-    "sp": (("torch.distributed.tensor", "torch.distributed.nn"),
+    "sp": (("torch.distributed.tensor", "torch.distributed.nn", "torch.distributed._functional_collectives"),
            "chapter 07 builds sequence and context parallelism (context_parallel and SequenceParallel are the oracles)"),
     "mesh": (("torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.pipelining")
              + _FSDP, "chapter 08 builds the rank grid and composes your own parts"),
