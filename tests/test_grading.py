@@ -115,7 +115,7 @@ def test_a_failure_caused_by_another_tasks_stub_names_it_first():
                            "fsdp.shard: take rows", details="", frame="labkit/fsdp.py:80 in shard_tensor"),
                dict(name="t::g[2]", task="x.one", points=1.0, outcome="failed", output="x.one: off by one")]
     report = grading.failure_report(records).splitlines()
-    assert report[0] == ("NEEDS fsdp.shard: elastic.save uses your fsdp.shard_tensor (fsdp.shard), "
+    assert report[0] == ("NEEDS fsdp.shard: elastic.save uses your fsdp.shard (labkit/fsdp.py:80 in shard_tensor), "
                          "still a stub: grade fsdp first"), report
 
 
@@ -123,3 +123,12 @@ def test_long_failure_output_is_truncated():
     record = dict(RECORDS[1], output="x" * (grading.OUTPUT_LIMIT + 100))
     output = grading.gradescope_results([record])["tests"][0]["output"]
     assert len(output) < grading.OUTPUT_LIMIT + 50 and output.endswith("(truncated)")
+
+
+def test_a_traceback_quoted_in_a_message_prints_as_lines():
+    quoted = ("Regex pattern did not match.\n Actual message: 'rank 1 raised X\\n\\n--- remote traceback ---\\n"
+              "Traceback (most recent call last):\\n  File \"/w/labkit/fsdp.py\", line 3, in shard\\n    raise X(\\'a\\')'")
+    text = grading.unescape_tracebacks(quoted)
+    assert "Traceback (most recent call last):\n  File" in text and "\\n" not in text and "X('a')" in text
+    assert grading.learner_frame(text).startswith("labkit/fsdp.py:3 in shard\n")
+    assert grading.unescape_tracebacks("a literal \\n with no traceback") == "a literal \\n with no traceback"

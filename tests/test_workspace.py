@@ -157,6 +157,19 @@ def test_tasks_lists_every_task_without_torch_even_with_a_module_pasted_whole(st
     assert rows["ddp.bucketed"] == "stub"
 
 
+def test_a_task_that_needs_another_chapters_stub_says_so_first(student, tmp_path):
+    """Chapter 07's Megatron-SP block is built from chapter 05's layers: with sp.py written and
+    tp.py still stubbed, the grader names the missing task before anything else."""
+    tree = tmp_path / "needs"
+    shutil.copytree(student, tree)
+    shutil.copy(ROOT / "labkit" / "sp.py", tree / "labkit" / "sp.py")
+    proc = run_in(tree, "-m", "labkit.course.cli", "grade", "sp.megatron")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = proc.stdout[proc.stdout.index("\n\n"):].strip().splitlines()
+    assert re.fullmatch(r"NEEDS tp\.\w+: sp\.megatron uses your tp\.\w+ \(labkit/tp\.py:\d+ in \w+\), "
+                        r"still a stub: grade tp first", report[0]), proc.stdout
+
+
 EXERCISE_USE = re.compile(r"labkit[./](?:" + "|".join(grading.CHAPTERS.values()) + r")\b"
                           r"|from labkit import [^\n]*\b(?:" + "|".join(grading.CHAPTERS.values()) + r")\b"
                           r"|labkit\.course\.bench|course import bench|needs_solutions")

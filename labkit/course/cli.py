@@ -37,6 +37,8 @@ def cmd_grade(args, root: Path) -> int:
           + (f"; tasks: {', '.join(tasks)}" if tasks else ""), flush=True)
     extra = ["-k", args.k] if args.k else []
     records, output = grading.run_tests(files, root, extra, tasks, verbose=args.verbose)
+    if not records and output:  # nothing graded: say why (an import error, a broken environment)
+        print("\nno graded test ran; pytest said:\n" + "\n".join(output.rstrip().splitlines()[-25:]))
     if any(r["outcome"] != "passed" for r in records) and not args.verbose:
         print()
         print(grading.failure_report(records))

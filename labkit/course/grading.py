@@ -282,8 +282,8 @@ def pytest_runtest_makereport(item, call):
         error = call.excinfo.value if call.excinfo is not None else None
         if getattr(error, "details", ""):  # the rank's own traceback, printed as lines
             report.sections.append((f"where it failed (world size {error.world_size})", error.details))
-        record["output"] = _failure_text(report, error)
-        record["details"] = getattr(error, "details", "") or str(report.longrepr)
+        record["output"] = unescape_tracebacks(_failure_text(report, error))
+        record["details"] = unescape_tracebacks(getattr(error, "details", "") or str(report.longrepr))
         record["frame"] = learner_frame(record["details"] + "\n" + str(report.longrepr))
     if report.when == "teardown":
         _progress(item.config, record)
@@ -344,6 +344,14 @@ def _failure_text(report, error) -> str:
     if crash is not None:
         return crash.message
     return str(report.longrepr)  # skips are (file, line, reason) tuples
+
+
+def unescape_tracebacks(text: str) -> str:
+    """A traceback quoted inside a message's repr (pytest.raises(match=...) prints the
+    message that way) reads as one long escaped line: turn it back into lines."""
+    if "Traceback (most recent call last):\\n" not in text:
+        return text
+    return text.replace("\\n", "\n").replace("\\'", "'").replace('\\"', '"')
 
 
 def learner_frame(text: str) -> str:
@@ -504,14 +512,13 @@ def failure_report(records: list[dict]) -> str:
         other = stub_dependency(r)
         if other and not is_stub_failure(r):
             where = (r.get("frame") or "").split("\n")[0]
-            function = where.rsplit(" in ", 1)[-1] if " in " in where else other
-            needs.setdefault(r["task"], (other, function))
+            needs.setdefault(r["task"], (other, f" ({where})" if where else ""))
         elif is_stub_failure(r):
             stubs[r["task"]].append(r)
         else:
             blocks.append(failure_block(r))
-    lines = [f"NEEDS {other}: {name} uses your {other.split('.')[0]}.{function} ({other}), still a stub: "
-             f"grade {other.split('.')[0]} first" for name, (other, function) in needs.items()]
+    lines = [f"NEEDS {other}: {name} uses your {other}{where}, still a stub: grade {other.split('.')[0]} first"
+             for name, (other, where) in needs.items()]
     for name, rs in stubs.items():
         where = rs[0]["frame"].split("\n")[0] if rs[0].get("frame") else ""
         lines.append(f"NOT IMPLEMENTED {name}: {len(rs)} test(s)" + (f" · {where}" if where else ""))
