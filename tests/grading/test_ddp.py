@@ -153,11 +153,12 @@ def check_params(task_id: str, where: str, model, other, against: str) -> None:
 
 
 def check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter, find_unused,
-                          num_params, members, overlap) -> None:
+                          trainable, members, overlap) -> None:
     """One synchronised backward's whole trace: the gradient all-reduces (``expected`` bytes),
     the int32 usage all-reduce of find_unused_parameters, nothing else; then their order,
     dtype, backward, and overlap. ``hooks``: per gradient ready, the timeline positions just
     before and just after DDP's own hook ran."""
+    num_params = len(trainable)
     usage = [Op("all_reduce", 4 * num_params, members)] if find_unused else []  # int32 per parameter
     assert_ops(tracer, [Op("all_reduce", size, members) for size in expected] + usage,
                f"{task_id}: {where}: " + (f"one all-reduce per gradient ({len(expected)})" if per_parameter else
@@ -170,8 +171,9 @@ def check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter
     if not per_parameter:
         assert sizes == expected, (f"{task_id}: {where}: buckets all-reduced in the order {sizes} (bytes); "
                                    f"launch them in bucket order, {expected}, on every rank")
-    wrong = sorted({str(tracer.events[i].dtype) for i in grads} - {"torch.float32"})
-    assert not wrong, f"{task_id}: {where}: gradients all-reduced in {wrong}, not in their own float32"
+    own = {str(p.dtype) for p in trainable}
+    wrong = sorted({str(tracer.events[i].dtype) for i in grads} - own)
+    assert not wrong, f"{task_id}: {where}: gradients all-reduced in {wrong}, not in their own {sorted(own)}"
     late = [n + 1 for n, i in enumerate(grads) if not tracer.events[i].in_backward]
     assert not late, (f"{task_id}: {where}: gradient all-reduce(s) #{late} of {len(grads)} issued after "
                       "backward returned: launch them from the hooks")
@@ -253,7 +255,7 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
                 per_parameter = ddp_kwargs["bucket_cap_mb"] is None
                 overlap = per_parameter or (kind == "gpt" and len(expected) > 1)
                 check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter,
-                                      ddp_kwargs.get("find_unused_parameters", False), len(trainable),
+                                      ddp_kwargs.get("find_unused_parameters", False), trainable,
                                       members, overlap)
         check_grads(task_id, where, models["ours"], models["reference"], "the single-process reference")
         check_grads(task_id, where, models["ours"], models["builtin"], "DistributedDataParallel")
