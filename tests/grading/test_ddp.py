@@ -7,17 +7,31 @@ built-in ``DistributedDataParallel``, gradient by gradient after each backward a
 parameter by parameter after each step. The models carry tied, frozen and unused
 parameters (``ToyModel``) and a GPT with a tied head and a frozen position embedding.
 
-Behaviour, traced with ``CommTracer``: one all-reduce per gradient (per-parameter mode) or
-per bucket, with the buckets the size cap implies (derived here from the parameter sizes),
-the first one issued during backward, before the last gradient is ready; and no
-communication at all inside ``no_sync()``.
+Behaviour, traced with ``CommTracer`` at every step, the whole signature and nothing else:
+
+* ddp.broadcast: at construction one broadcast per dtype of the parameters (a tied one once)
+  and buffers, of their summed numel x element size, on the model's group; at each forward
+  one per dtype of the buffers; the values are those of the group's first rank.
+* ddp.per_parameter / ddp.bucketed, per synchronised backward: one all-reduce per gradient
+  (per-parameter mode) or per bucket, with the bytes the size cap implies (derived here from
+  the parameter sizes), launched in bucket order, on the model's group, during backward; plus
+  the one small int32 all-reduce of the given find_unused_parameters code. Overlap, from the
+  traced order of post, compute and wait: every gradient all-reduce but the last is posted
+  before the last gradient is ready, and backward computation (not DDP's own hook work) runs
+  between its post and its wait.
+* ddp.no_sync: nothing at all inside ``no_sync()``; the synchronising backward after it is a
+  normal one, signature and overlap included.
+
+Process groups are partitions of the world (e.g. [0] and [1, 2, 3]): every rank trains in
+its own group, so an implementation that ignores ``process_group`` meets the other group's
+ranks in its collectives and the trace names the wrong group.
 
 Tests of one task never depend on another's stub being filled in first, except that the
 no_sync test also runs bucketed mode after per-parameter mode.
 """
 
-import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +39,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
@@ -74,6 +88,31 @@ def loss_of(kind: str, model, x, y) -> torch.Tensor:
     return toy_loss(model, x, y) if kind == "toy" else model(x, y)[1]
 
 
+def halves(n: int) -> list[list[int]]:
+    """The world in two groups, [0, n//2) and [n//2, n); the whole world when n == 1."""
+    return [list(range(n))] if n == 1 else [list(range(n // 2)), list(range(n // 2, n))]
+
+
+def own_group(groups):
+    """(group, its global ranks) of this rank. ``groups``: a partition of the world (every rank
+    creates every group: new_group is collective), or None for the default group."""
+    if not groups:
+        return None, list(range(dist.get_world_size()))
+    made = [dist.new_group(ranks) for ranks in groups]
+    index = next(i for i, ranks in enumerate(groups) if dist.get_rank() in ranks)
+    return made[index], groups[index]
+
+
+def per_dtype_bytes(tensors) -> list[int]:
+    """Bytes of each dtype's share of ``tensors`` (each tensor once): one flat message per dtype."""
+    sizes, seen = {}, set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel() * t.element_size()
+    return list(sizes.values())
+
+
 def expected_all_reduce_bytes(model, ddp_kwargs, got_grad) -> list[int]:
     """Sizes of the gradient all-reduces one synchronised backward must issue.
 
@@ -113,44 +152,78 @@ def check_params(task_id: str, where: str, model, other, against: str) -> None:
         assert_close(p.detach(), q.detach(), f"{task_id}: {where}, parameter {name!r} vs {against}")
 
 
-def check_traced_backward(task_id, where, tracer, hook_times, expected, per_parameter, find_unused,
-                          overlap) -> None:
-    grads = [e for e in tracer.events if e.kind == "all_reduce" and e.dtype != torch.int32]
-    sizes = [e.bytes for e in grads]  # in the order issued
-    assert (sorted(sizes) if per_parameter else sizes) == expected, (
-        f"{task_id}: {where}: {len(sizes)} gradient all-reduces of {sizes} bytes in one backward; "
-        f"expected {len(expected)} of {expected} bytes, " +
-        ("one per gradient" if per_parameter else "one per bucket the cap implies, launched in bucket order"))
-    usage = tracer.count("all_reduce") - len(grads)
-    assert usage == int(find_unused), (
-        f"{task_id}: {where}: {usage} extra all-reduces; find_unused_parameters adds exactly one")
-    others = tracer.kinds() - {"all_reduce"}
-    assert not others, f"{task_id}: {where}: unexpected {sorted(others)} during the step"
-    assert all(e.in_backward for e in grads), f"{task_id}: {where}: an all-reduce was issued outside backward"
+def check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter, find_unused,
+                          trainable, members, overlap) -> None:
+    """One synchronised backward's whole trace: the gradient all-reduces (``expected`` bytes),
+    the int32 usage all-reduce of find_unused_parameters, nothing else; then their order,
+    dtype, backward, and overlap. ``hooks``: per gradient ready, the timeline positions just
+    before and just after DDP's own hook ran."""
+    num_params = len(trainable)
+    usage = [Op("all_reduce", 4 * num_params, members)] if find_unused else []  # int32 per parameter
+    assert_ops(tracer, [Op("all_reduce", size, members) for size in expected] + usage,
+               f"{task_id}: {where}: " + (f"one all-reduce per gradient ({len(expected)})" if per_parameter else
+                                          f"one all-reduce per bucket the cap implies ({len(expected)})") +
+               f" over ranks {tuple(members)}" + (", plus find_unused_parameters' one int32 all-reduce of "
+                                                 f"{num_params} flags" if find_unused else ""))
+    flags = next((i for i, e in enumerate(tracer.events) if e.dtype == torch.int32), None) if find_unused else None
+    grads = [i for i in range(len(tracer.events)) if i != flags]
+    sizes = [tracer.events[i].bytes for i in grads]  # in the order issued
+    if not per_parameter:
+        assert sizes == expected, (f"{task_id}: {where}: buckets all-reduced in the order {sizes} (bytes); "
+                                   f"launch them in bucket order, {expected}, on every rank")
+    own = {str(p.dtype) for p in trainable}
+    wrong = sorted({str(tracer.events[i].dtype) for i in grads} - own)
+    assert not wrong, f"{task_id}: {where}: gradients all-reduced in {wrong}, not in their own {sorted(own)}"
+    late = [n + 1 for n, i in enumerate(grads) if not tracer.events[i].in_backward]
+    assert not late, (f"{task_id}: {where}: gradient all-reduce(s) #{late} of {len(grads)} issued after "
+                      "backward returned: launch them from the hooks")
     if overlap:
-        first, last_hook = min(e.time for e in grads), max(hook_times)
-        assert first < last_hook, (
-            f"{task_id}: {where}: the first all-reduce was issued {1e3 * (first - last_hook):.2f} ms "
-            "after the last gradient was ready: launch it from the hook, not at the end of backward")
+        check_overlap(task_id, where, tracer, grads, hooks)
 
 
-def train_and_compare(task_id: str, case: str, micro_steps: int = 1, group_ranks=None) -> None:
-    """On every rank: STEPS optimizer steps of ours, the built-in and the reference, compared."""
+def check_overlap(task_id, where, tracer, grads, hooks) -> None:
+    """Every gradient all-reduce but the last: posted before the last gradient was ready,
+    and with backward's own computation between its post and its wait. The computation
+    DDP does inside its hooks (dividing, copying into a bucket) does not count: it is no
+    work that communication hides."""
+    if len(grads) < 2:
+        return
+    last_ready, end = hooks[-1]
+    posted = {step.event: i for i, step in enumerate(tracer.timeline) if step.what == "post"}
+    for n, i in enumerate(grads[:-1]):
+        if posted[i] >= last_ready:
+            raise AssertionError(
+                f"{task_id}: {where}: gradient all-reduce #{n + 1} of {len(grads)} ({tracer.events[i].bytes} B) was "
+                "posted only when the last gradient was ready, at the end of backward: launch each one from "
+                "the hook as soon as its gradients are in, so that it overlaps the rest of backward (no overlap)")
+    in_hooks = {i for start, stop in hooks for i in range(start, stop)}
+    backward = SimpleNamespace(events=tracer.events, timeline=[
+        step for i, step in enumerate(tracer.timeline)
+        if step.what != "compute" or (i < end and i not in in_hooks)])
+    assert_overlap(backward, f"{task_id}: {where}: backward computation must run while each gradient "
+                   "all-reduce is in flight", events=grads, exempt_last=1)
+
+
+def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None) -> None:
+    """On every rank: STEPS optimizer steps of ours, the built-in and the reference, compared.
+    ``groups``: a partition of the world, one model per group (None: one over the world)."""
     from labkit.ddp import DDP
     kind, ddp_kwargs = CASES[case]
-    group = dist.new_group(group_ranks) if group_ranks else None  # every rank must call new_group
+    group, members = own_group(groups)
     rank = dist.get_rank()
-    if group_ranks and rank not in group_ranks:
-        return
-    members = group_ranks or list(range(dist.get_world_size()))
     n, me = len(members), members.index(rank)
 
     models = {name: make_model(kind) for name in ("ours", "builtin", "reference")}
-    hook_times = []
-    for p in models["ours"].parameters():  # ours fire after DDP's own hooks: when each grad is done
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda _: hook_times.append(time.perf_counter()))
+    # Hooks of the test around DDP's own (post-accumulate-grad hooks run in the order they
+    # were registered): where on the traced timeline each gradient became ready, and where
+    # DDP's hook for it ended. What lies between is DDP's own work, not backward's.
+    traced, before, hooks = [None], [], []
+    trainable = [p for p in models["ours"].parameters() if p.requires_grad]
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda _: before.append(len(traced[0].timeline)))
     ours = DDP(models["ours"], process_group=group, init_sync=False, broadcast_buffers=False, **ddp_kwargs)
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(lambda _: hooks.append((before.pop(), len(traced[0].timeline))))
     builtin = DistributedDataParallel(models["builtin"], process_group=group,
                                       find_unused_parameters=ddp_kwargs.get("find_unused_parameters", False))
     optims = {name: torch.optim.SGD(m.parameters(), **SGD) for name, m in models.items()}
@@ -164,24 +237,26 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, group_ranks
             gx, gy = x[start:start + n * BATCH], y[start:start + n * BATCH]  # the global micro-batch
             lx, ly = gx[me * BATCH:(me + 1) * BATCH], gy[me * BATCH:(me + 1) * BATCH]  # this rank's
             sync = micro == micro_steps - 1
-            hook_times.clear()
+            hooks.clear()
             with (nullcontext() if sync else ours.no_sync()), CommTracer() as tracer:
+                traced[0] = tracer
                 loss_of(kind, ours, lx, ly).backward()
             with nullcontext() if sync else builtin.no_sync():
                 loss_of(kind, builtin, lx, ly).backward()
             loss_of(kind, models["reference"], gx, gy).backward()  # mean over the global batch
             if not sync:
-                assert not tracer.events, (f"{task_id}: {where}, micro-batch {micro}: inside no_sync() "
-                                           f"DDP communicated: {tracer.format()}")
-            elif step == 1:  # not the first step: the bookkeeping must also be reset between steps
+                assert_ops(tracer, [], f"{task_id}: {where}, micro-batch {micro}: inside no_sync() the gradients "
+                                       "stay local: no communication at all in its forward and backward")
+            else:  # every step: the bookkeeping must also be reset between steps
                 got_grad = {p: p.grad is not None for p in models["reference"].parameters()}
                 expected = expected_all_reduce_bytes(models["reference"], ddp_kwargs, got_grad)
                 # Overlap is checked where the first bucket can fill early: not when one
                 # bucket holds everything, nor when it holds `unused` (ready at the end only).
                 per_parameter = ddp_kwargs["bucket_cap_mb"] is None
                 overlap = per_parameter or (kind == "gpt" and len(expected) > 1)
-                check_traced_backward(task_id, where, tracer, hook_times, expected, per_parameter,
-                                      ddp_kwargs.get("find_unused_parameters", False), overlap)
+                check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter,
+                                      ddp_kwargs.get("find_unused_parameters", False), trainable,
+                                      members, overlap)
         check_grads(task_id, where, models["ours"], models["reference"], "the single-process reference")
         check_grads(task_id, where, models["ours"], models["builtin"], "DistributedDataParallel")
         for name in models:
@@ -196,14 +271,28 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, group_ranks
 # ----------------------------------------------------------------------------- ddp.broadcast
 
 
-def broadcast_on_rank(group_ranks=None) -> None:
-    from labkit.ddp import DDP
-    group = dist.new_group(group_ranks) if group_ranks else None
-    rank = dist.get_rank()
-    if group_ranks and rank not in group_ranks:
-        return
-    src = group_ranks[0] if group_ranks else 0
-    where = f"ddp.broadcast: rank {rank}" + (f" in group {group_ranks}" if group_ranks else "")
+def mixed_tensors(seed: int) -> list[torch.Tensor]:
+    """Tensors of three dtypes, interleaved, with values that differ by ``seed``."""
+    return [torch.arange(3, dtype=torch.float32) + seed, torch.arange(5, dtype=torch.int64) * (seed + 1),
+            torch.full((2, 2), seed + 0.5, dtype=torch.float64), torch.arange(4, dtype=torch.float32) - seed]
+
+
+def broadcast_on_rank(groups=None) -> None:
+    from labkit.ddp import DDP, broadcast_tensors
+    group, members = own_group(groups)
+    rank, src = dist.get_rank(), members[0]
+    where = f"ddp.broadcast: rank {rank} in group {members}"
+    one_per_dtype = "one broadcast per dtype (the tensors of that dtype flattened into one message)"
+
+    tensors, expected = mixed_tensors(rank), mixed_tensors(src)
+    with CommTracer() as tracer:
+        call_broadcast(where, src, broadcast_tensors, tensors, group)
+    assert_ops(tracer, [Op("broadcast", size, members) for size in per_dtype_bytes(expected)],
+               f"{where}, broadcast_tensors of float32, int64, float64 and float32 tensors: {one_per_dtype}, "
+               f"over ranks {tuple(members)}")
+    for i, (t, e) in enumerate(zip(tensors, expected)):
+        assert_close(t, e, f"{where}, broadcast_tensors: tensor {i} ({e.dtype}) vs group rank 0's")
+
     rank0 = {"toy": ToyModel(seed=src), "gpt": GPT(GPT_CONFIG, seed=src)}  # group rank 0's models
     for kind, expected in rank0.items():
         model = ToyModel(seed=rank) if kind == "toy" else GPT(GPT_CONFIG, seed=rank)  # differ by rank
@@ -211,7 +300,13 @@ def broadcast_on_rank(group_ranks=None) -> None:
             for module in (model, expected):  # buffers differ by rank too
                 for b in module.buffers():
                     b.mul_(1 + (rank if module is model else src))
-        ddp = DDP(model, bucket_cap_mb=None, process_group=group)
+        with CommTracer() as tracer:
+            ddp = call_broadcast(where, src, DDP, model, bucket_cap_mb=None, process_group=group)
+        # Parameters (a tied one once, frozen ones too) and buffers: one message per dtype.
+        assert_ops(tracer, [Op("broadcast", size, members) for size in
+                            per_dtype_bytes([*model.parameters(), *model.buffers()])],
+                   f"{where}, {kind} model, DDP(...): {one_per_dtype} of its parameters and buffers, "
+                   f"over ranks {tuple(members)}")
         for (name, t), e in zip([*model.named_parameters(), *model.named_buffers()],
                                 [*expected.parameters(), *expected.buffers()]):
             assert_close(t.detach(), e.detach(),
@@ -221,13 +316,28 @@ def broadcast_on_rank(group_ranks=None) -> None:
         else:  # buffers again at every forward (broadcast_buffers=True, the default)
             with torch.no_grad():
                 model.scale.add_(rank)
-            ddp(torch.zeros(1, 8))
+            with CommTracer() as tracer:
+                ddp(torch.zeros(1, 8))
+            assert_ops(tracer, [Op("broadcast", size, members) for size in per_dtype_bytes(model.buffers())],
+                       f"{where}, toy model, forward with broadcast_buffers=True: {one_per_dtype} of its "
+                       f"buffers, over ranks {tuple(members)}")
             assert_close(model.scale, expected.scale + src,
                          f"{where}, toy model, buffer 'scale' after forward vs group rank 0's "
                          "(broadcast_buffers=True)")
     builtin = DistributedDataParallel(ToyModel(seed=rank), process_group=group)
     for (name, t), e in zip(builtin.module.named_parameters(), rank0["toy"].parameters()):
         assert_close(t.detach(), e.detach(), f"{where}: the test's own check of the built-in, {name!r}")
+
+
+def call_broadcast(where, src, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; a source outside the group is named in the course's terms."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as error:
+        if "group" not in str(error):
+            raise
+        raise AssertionError(f"{where}: the broadcast's source is not the group's first rank (global rank "
+                             f"{src}): broadcast with group=... and group_src=0 ({error})") from None
 
 
 @task("ddp.broadcast", points=0.5)
@@ -238,16 +348,19 @@ def test_broadcast(world_size):
 
 @task("ddp.broadcast", points=0.5)
 def test_broadcast_on_a_subgroup():
-    # Ranks 1-3 of 4 share a model: the source is the group's first rank, global rank 1.
-    run_graded("ddp.broadcast", one_thread, 4, broadcast_on_rank, [1, 2, 3])
+    # Ranks 1-3 of 4 share a model, rank 0 has its own: the source of the first is the
+    # group's first rank, global rank 1; a broadcast over the world meets rank 0 there.
+    run_graded("ddp.broadcast", one_thread, 4, broadcast_on_rank, [[0], [1, 2, 3]])
 
 
 # ----------------------------------------------------------------------------- ddp.per_parameter
 
 
 def per_parameter_on_rank() -> None:
-    for case in ("toy, per-parameter", "gpt, per-parameter"):
-        train_and_compare("ddp.per_parameter", case)
+    # The GPT trains in two groups (halves of the world, each its own model): process_group=
+    # and its size must be honoured.
+    train_and_compare("ddp.per_parameter", "toy, per-parameter")
+    train_and_compare("ddp.per_parameter", "gpt, per-parameter", groups=halves(dist.get_world_size()))
 
 
 @task("ddp.per_parameter", points=1)
@@ -259,23 +372,45 @@ def test_per_parameter(world_size):
 # ----------------------------------------------------------------------------- ddp.bucketed
 
 
-def bucketed_on_rank(group_ranks=None) -> None:
-    # On a sub-group, one case is enough: it checks that process_group= is honoured.
-    cases = ["gpt, 4 KiB buckets"] if group_ranks else ["toy, 25 MB buckets", "toy, 100-byte buckets",
-                                                        "gpt, 4 KiB buckets"]
+def bucketed_on_rank(groups=None) -> None:
+    # On sub-groups, one case is enough: it checks that process_group= is honoured.
+    cases = ["gpt, 4 KiB buckets"] if groups else ["toy, 25 MB buckets", "toy, 100-byte buckets",
+                                                   "gpt, 4 KiB buckets"]
     for case in cases:
-        train_and_compare("ddp.bucketed", case, group_ranks=group_ranks)
+        train_and_compare("ddp.bucketed", case, groups=groups)
+
+
+def check_assign_buckets() -> None:
+    """assign_buckets alone, on sizes where a bucket reaches the cap exactly (in the test process)."""
+    from labkit.ddp import assign_buckets
+    params = [torch.nn.Parameter(torch.zeros(numel, dtype=dtype)) for numel, dtype in
+              [(1, torch.float32), (1, torch.float32), (1, torch.float32), (2, torch.float64),
+               (1, torch.float32), (3, torch.float32)]]
+    names = {id(p): f"p{i}" for i, p in enumerate(params)}
+    # (cap in bytes, expected buckets): reverse order, closed once >= cap, or when the dtype changes.
+    for cap, expected in [(6, [["p5"], ["p4"], ["p3"], ["p2", "p1"], ["p0"]]),
+                          (8, [["p5"], ["p4"], ["p3"], ["p2", "p1"], ["p0"]]),
+                          (16, [["p5", "p4"], ["p3"], ["p2", "p1", "p0"]]),
+                          (12, [["p5"], ["p4"], ["p3"], ["p2", "p1", "p0"]]),
+                          (4, [["p5"], ["p4"], ["p3"], ["p2"], ["p1"], ["p0"]])]:
+        got = [[names[id(p)] for p in bucket] for bucket in assign_buckets(params, cap)]
+        assert got == expected, (
+            f"ddp.bucketed: assign_buckets of parameters p0..p5 of 4, 4, 4, 16 (float64), 4, 12 bytes, cap {cap} B: "
+            f"{got}, expected {expected} (walk them in reverse; close a bucket as soon as it holds >= the cap, "
+            "or when the dtype changes)")
 
 
 @task("ddp.bucketed", points=1.5)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_bucketed(world_size):
+    check_assign_buckets()
     run_graded("ddp.bucketed", one_thread, world_size, bucketed_on_rank)
 
 
 @task("ddp.bucketed", points=0.5)
 def test_bucketed_on_a_subgroup():
-    run_graded("ddp.bucketed", one_thread, 4, bucketed_on_rank, [1, 2, 3])
+    # Ranks 1-3 of 4 share a model, rank 0 has its own.
+    run_graded("ddp.bucketed", one_thread, 4, bucketed_on_rank, [[0], [1, 2, 3]])
 
 
 # ----------------------------------------------------------------------------- ddp.no_sync
@@ -294,6 +429,14 @@ def no_sync_on_rank() -> None:
         pass
     assert ddp.require_backward_grad_sync, (f"ddp.no_sync: rank {dist.get_rank()}: after a with-block that "
                                             "raised, require_backward_grad_sync is still False")
+    with ddp.no_sync():
+        with ddp.no_sync():
+            pass
+        assert not ddp.require_backward_grad_sync, (
+            f"ddp.no_sync: rank {dist.get_rank()}: inside an outer no_sync(), after an inner one ended, "
+            "require_backward_grad_sync is True again: restore the value it had before, not True")
+    assert ddp.require_backward_grad_sync, (f"ddp.no_sync: rank {dist.get_rank()}: after nested no_sync() "
+                                            "blocks, require_backward_grad_sync is still False")
 
 
 @task("ddp.no_sync", points=0.5)

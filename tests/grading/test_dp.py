@@ -7,17 +7,26 @@ an unused parameter (ToyModel) and a small GPT with tied embeddings and a frozen
 embedding. Where PyTorch ships the technique it is compared too (DistributedSampler, DDP).
 
 * dp.sampler: index by index against DistributedSampler over lengths that divide and do
-  not, drop_last both ways, shuffled or not, several seeds and epochs.
+  not, drop_last both ways, shuffled or not, several seeds and epochs; with no
+  communication at all (shared randomness, not messages: the trace must be empty).
 * dp.grad_average: equal shards (plain mean, also against DDP), unequal shards (weighted by
-  samples), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some");
-  the tracer checks that only all-reduces of about the gradients' size are issued, after
-  backward.
+  samples), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
+  and a world split into two groups that average separately (group=). At every step the
+  tracer checks the whole signature: first ONE agreement all-reduce of P + 1 values (a flag
+  per trainable parameter, plus the weight), then one all-reduce per gradient that some rank
+  has, numel x element size of that parameter in its own dtype, all on the averaging group,
+  after backward; nothing else.
 * dp.data_parallel: one process, K = 1-4 replicas on threads; outputs, gradients and
   parameters match the plain module; replicas are connected copies, run concurrently,
   keep grad mode and re-raise errors.
 * dp.parameter_server: at world sizes 2-4 (rank 0 serves, so a single rank cannot run
   one): staleness 0 equals synchronous SGD step by step; with a bound s > 0 and a slow
   worker, no applied gradient is more than s versions old, some are, and training converges.
+  The trace of each rank is the protocol's, message by message: per worker and iteration,
+  two headers (5 float64 each) from the worker to rank 0, the version (1 float64) and the
+  flat parameters (numel x element size) from rank 0 to it, and its flat gradient back; rank
+  0 receives the headers from any source and each gradient from the worker named in its
+  header; plus the final broadcast of the parameters.
 """
 
 import contextlib
@@ -30,7 +39,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
@@ -110,8 +119,16 @@ LENGTHS = [0, 1, 2, 3, 5, 8, 12, 13, 17, 100]
 
 
 def sampler_on_rank() -> None:
-    from labkit.dp import ShardSampler, shard_indices, shard_size
     rank, n = dist.get_rank(), dist.get_world_size()
+    with CommTracer() as tracer:
+        check_sampler(rank, n)
+    # Every rank draws the same permutation from the same seed: nothing to send.
+    assert_ops(tracer, [], f"dp.sampler: rank {rank} of {n}: shard_indices and ShardSampler must not "
+                           "communicate (every rank draws the same seeded permutation itself)")
+
+
+def check_sampler(rank: int, n: int) -> None:
+    from labkit.dp import ShardSampler, shard_indices, shard_size
     for length in LENGTHS:
         for shuffle in (True, False):
             for drop_last in (False, True):
@@ -170,19 +187,37 @@ def test_sampler_matches_distributed_sampler(world_size):
 # ----------------------------------------------------------------------------- dp.grad_average
 
 
-def check_traffic(tracer, model, what) -> None:
-    kinds = tracer.kinds()
-    assert kinds <= {"all_reduce"}, f"{what}: issued {sorted(kinds)}; averaging gradients needs only all-reduce"
-    assert not any(e.in_backward for e in tracer.events), f"{what}: communicated inside backward"
+FLAG_VALUES = "a flag per trainable parameter plus the weight"
+
+
+def check_average_ops(tracer, model, has_grad, group_ranks, what) -> None:
+    """The whole signature of one average_gradients call, derived from the model's shapes.
+
+    ``has_grad[i]``: whether trainable parameter i has a gradient on SOME rank of the group.
+    Expected, all on ``group_ranks``: first one all-reduce of P + 1 values (any one dtype:
+    the flags and the weight), then one all-reduce per parameter in ``has_grad``, of
+    numel x element size in the parameter's dtype; nothing else, nothing in backward."""
     params = [p for p in model.parameters() if p.requires_grad]
-    grad_bytes = sum(p.numel() * p.element_size() for p in params)
-    with_grad = sum(p.numel() * p.element_size() for p in params if p.grad is not None)
-    reduced = sum(e.bytes for e in tracer.events)
-    # Room for one small agreement message: a flag per parameter plus a count.
-    limit = grad_bytes + 8 * (len(params) + 1) + 64
-    assert reduced <= limit, f"{what}: all-reduced {reduced} bytes; the gradients are {grad_bytes}"
-    if dist.get_world_size() > 1:
-        assert reduced >= with_grad, f"{what}: all-reduced {reduced} bytes, fewer than the {with_grad} of gradients"
+    events = tracer.events
+    flag_size = events[0].dtype.itemsize if events and events[0].dtype is not None else 8
+    flags = Op("all_reduce", (len(params) + 1) * flag_size, group_ranks)
+    grads = [Op("all_reduce", p.numel() * p.element_size(), group_ranks) for p, g in zip(params, has_grad) if g]
+    assert_ops(tracer, [flags, *grads],
+               f"{what}: one all-reduce of the {len(params) + 1} agreement values ({FLAG_VALUES}), then one "
+               f"all-reduce per gradient some rank has ({len(grads)}), over ranks {tuple(group_ranks)}")
+    assert tracer.ops(events[:1]) == [flags], (
+        f"{what}: the first all-reduce was {tracer.ops(events[:1])[0]!r}; the ranks must agree first, "
+        f"in one all-reduce of {len(params) + 1} values ({FLAG_VALUES}), before reducing any gradient")
+    dtypes = sorted(str(e.dtype) for e in events[1:])
+    want = sorted(str(p.dtype) for p, g in zip(params, has_grad) if g)
+    assert dtypes == want, (f"{what}: gradients all-reduced in dtypes {dtypes}, expected their own {want}: "
+                            "reduce each .grad as it is, without a cast")
+    assert not any(e.in_backward for e in events), f"{what}: communicated inside backward"
+
+
+def some_rank_has_grad(ref) -> list[bool]:
+    """Per trainable parameter: does the single process (all ranks' data) get a gradient?"""
+    return [q.grad is not None for q in ref.parameters() if q.requires_grad]
 
 
 def grad_average_on_rank(batch: int, weighted: bool) -> None:
@@ -210,8 +245,7 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
             loss_fn(model, xs, ys).backward()
             with CommTracer() as tracer:
                 average_gradients(model, num_samples=len(xs) if weighted else None)
-            if step == 0:
-                check_traffic(tracer, model, what)
+            check_average_ops(tracer, model, some_rank_has_grad(ref), range(n), what)
             compare_grads(model, ref, what)
             opt.step()
             ref_opt.step()
@@ -225,6 +259,27 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
         for k, p in model.named_parameters():
             if k in frozen:
                 assert torch.equal(p.detach(), frozen[k]), f"dp.grad_average: rank {rank}, {name}: frozen {k} changed"
+    if not weighted and n > 1:
+        average_in_two_groups(rank, n)
+
+
+def average_in_two_groups(rank: int, n: int) -> None:
+    """The world split in two halves, each averaging over its own group only (group=)."""
+    from labkit.dp import average_gradients
+    halves = [list(range(n // 2)), list(range(n // 2, n))]
+    groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
+    members = next(ranks for ranks in halves if rank in ranks)
+    group = groups[halves.index(members)]
+    x, y = toy_batches(12, steps=1, seed=4 + halves.index(members))[0]  # each half its own batch
+    model, ref = make_toy(), make_toy()
+    toy_loss(model, x.tensor_split(len(members))[members.index(rank)],
+             y.tensor_split(len(members))[members.index(rank)]).backward()
+    toy_loss(ref, x, y).backward()  # the group's global batch in one process
+    what = f"dp.grad_average: rank {rank} of {n}, averaging over its group {members} only (group=)"
+    with CommTracer() as tracer:
+        average_gradients(model, group=group)
+    check_average_ops(tracer, model, some_rank_has_grad(ref), members, what)
+    compare_grads(model, ref, what + ", vs the group's global batch")
 
 
 @task("dp.grad_average", points=1)
@@ -261,7 +316,10 @@ def partially_unused_on_rank() -> None:
         (ref_loss / n).backward()
         opt.zero_grad(set_to_none=True)
         local_loss(model, x.tensor_split(n)[rank], y.tensor_split(n)[rank], rank).backward()
-        average_gradients(model)
+        with CommTracer() as tracer:
+            average_gradients(model)
+        # `unused` has a gradient on the even ranks only: every rank must still reduce it.
+        check_average_ops(tracer, model, some_rank_has_grad(ref), range(n), what)
         compare_grads(model, ref, what)
         opt.step()
         ref_opt.step()
@@ -290,34 +348,6 @@ def dp_cases():
            lambda out, y: F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
            lambda out: out[0])  # GPT returns (logits, None): gather keeps the tuple
     return [toy, gpt]
-
-
-@task("dp.data_parallel", points=1)
-@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
-def test_data_parallel_trains_like_the_plain_module(replicas):
-    # Batch 10 on K replicas: torch.chunk sizes 10 / 5+5 / 4+4+2 / 3+3+3+1.
-    from labkit.dp import data_parallel
-    with one_thread():
-        check_data_parallel_training(data_parallel, replicas)
-
-
-def check_data_parallel_training(data_parallel, replicas):
-    for name, make_model, batches, criterion, logits in dp_cases():
-        model, ref = make_model(), make_model()
-        opt, ref_opt = sgd(model, 0.1), sgd(ref, 0.1)
-        for step, (x, y) in enumerate(batches):
-            what = f"dp.data_parallel: {replicas} replicas, {name}, step {step}"
-            opt.zero_grad(set_to_none=True)
-            ref_opt.zero_grad(set_to_none=True)
-            out = data_parallel(model, (x,), replicas)
-            ref_out = logits(ref(x))
-            assert_close(logits(out), ref_out, what + ", gathered output")
-            criterion(logits(out), y).backward()
-            criterion(ref_out, y).backward()
-            compare_grads(model, ref, what)  # the replicas' gradients summed into the master's
-            opt.step()
-            ref_opt.step()
-            compare_params(model, ref, what + " (after the step)")
 
 
 @task("dp.data_parallel", points=1)
@@ -372,8 +402,12 @@ class Rendezvous(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(1))
         self.barrier = threading.Barrier(parties, timeout=10)
+        self.caller = threading.get_ident()  # the thread that calls parallel_apply
 
     def forward(self, x):
+        assert threading.get_ident() != self.caller, (
+            "dp.data_parallel: parallel_apply ran a replica on the caller's own thread, one after "
+            "another: start one thread per replica, then join them all")
         self.barrier.wait()
         return x * self.weight
 
@@ -408,9 +442,66 @@ def test_parallel_apply_threads_grad_mode_errors():
         parallel_apply([Exploding()] * 4, [(torch.full((1,), 2.0 * i),) for i in range(4)])
 
 
+# Last among this task's tests: the cheap structural checks above fail a wrong design
+# before the training runs.
+
+
+@task("dp.data_parallel", points=1)
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_data_parallel_trains_like_the_plain_module(replicas):
+    # Batch 10 on K replicas: torch.chunk sizes 10 / 5+5 / 4+4+2 / 3+3+3+1.
+    from labkit.dp import data_parallel
+    with one_thread():
+        check_data_parallel_training(data_parallel, replicas)
+
+
+def check_data_parallel_training(data_parallel, replicas):
+    for name, make_model, batches, criterion, logits in dp_cases():
+        model, ref = make_model(), make_model()
+        opt, ref_opt = sgd(model, 0.1), sgd(ref, 0.1)
+        for step, (x, y) in enumerate(batches):
+            what = f"dp.data_parallel: {replicas} replicas, {name}, step {step}"
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            out = data_parallel(model, (x,), replicas)
+            ref_out = logits(ref(x))
+            assert_close(logits(out), ref_out, what + ", gathered output")
+            criterion(logits(out), y).backward()
+            criterion(ref_out, y).backward()
+            compare_grads(model, ref, what)  # the replicas' gradients summed into the master's
+            opt.step()
+            ref_opt.step()
+            compare_params(model, ref, what + " (after the step)")
+
+
 # ----------------------------------------------------------------------------- dp.parameter_server
 # World sizes 2-4 only: rank 0 is the server, so a parameter server needs at least one more
 # rank to do the work (run_parameter_server refuses a single rank; checked below).
+
+HEADER_BYTES = 5 * 8   # a header: kind, iteration, version, samples, loss (float64)
+VERSION_BYTES = 1 * 8  # the version that precedes the parameters (float64)
+
+
+def check_ps_ops(tracer, model, steps: int, what: str) -> None:
+    """This rank's whole trace against the protocol, message by message (see the docstring)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    final = [Op("broadcast", flat)]  # run_parameter_server hands the result to every rank
+    if rank == 0:
+        per_step = [op for w in range(1, n) for op in (
+            Op("recv", HEADER_BYTES), Op("recv", HEADER_BYTES),   # pull and push headers, from any source
+            Op("recv", flat, peer=w),                              # the gradient, from the worker that pushed
+            Op("send", VERSION_BYTES, peer=w), Op("send", flat, peer=w))]  # the answer to its pull
+        how = (f"per iteration and worker: 2 headers of {HEADER_BYTES} B received from any source, the "
+               f"{flat} B gradient received from that worker, {VERSION_BYTES} B of version and the {flat} B "
+               "of parameters sent to it")
+    else:
+        per_step = [Op("send", HEADER_BYTES, peer=0), Op("send", HEADER_BYTES, peer=0), Op("send", flat, peer=0),
+                    Op("recv", VERSION_BYTES, peer=0), Op("recv", flat, peer=0)]
+        how = (f"per iteration: a pull header, then the {VERSION_BYTES} B version and {flat} B of parameters "
+               f"from rank 0, then a push header and the {flat} B gradient to rank 0")
+    assert_ops(tracer, per_step * steps + final,
+               f"{what}: rank {rank}'s messages over {steps} iterations ({how}; then one broadcast)")
 
 
 def ps_sync_on_rank() -> None:
@@ -431,7 +522,9 @@ def ps_sync_on_rank() -> None:
             ref_opt.step()
             ref_losses.append(loss.detach())
         model = make_model()
-        log = run_parameter_server(model, sgd(model, lr), loss_fn, batches, staleness=0)
+        with CommTracer() as tracer:
+            log = run_parameter_server(model, sgd(model, lr), loss_fn, batches, staleness=0)
+        check_ps_ops(tracer, model, len(batches), what)
         shared = [log]
         dist.broadcast_object_list(shared, src=0)  # every rank checks the server's log, in the same order
         log = shared[0]
@@ -472,7 +565,10 @@ def ps_async_on_rank(bounds) -> None:
         model = make_toy()
         with torch.no_grad():
             start = toy_loss(model, x_all, y_all).item()
-        log = run_parameter_server(model, sgd(model, 0.1), toy_loss, batches, staleness=bound, delays={1: SLOW})
+        with CommTracer() as tracer:
+            log = run_parameter_server(model, sgd(model, 0.1), toy_loss, batches, staleness=bound,
+                                       delays={1: SLOW})
+        check_ps_ops(tracer, model, ASYNC_STEPS, what)
         with torch.no_grad():
             end = toy_loss(model, x_all, y_all).item()
         if rank != 0:
