@@ -174,7 +174,8 @@ def state_on_rank(kind: str):
     with CommTracer() as restored:
         back = restore_state(state, model, opt)
     assert (back.step, back.epoch, back.position, back.losses) == (2, 1, 2 * BATCH, losses), \
-        (f"{what}: restored progress (step, epoch, position, losses) = {(back.step, back.epoch, back.position, back.losses)}, "
+        (f"{what}: restored progress (step, epoch, position, losses) = "
+         f"{(back.step, back.epoch, back.position, back.losses)}, "
          f"captured {(2, 1, 2 * BATCH, losses)} (copy the loss list: the run appends to its own)")
     again = (torch.rand(3), random.random())
     assert torch.equal(draw[0], again[0]), f"{what}: the torch RNG state was not restored"
@@ -199,24 +200,27 @@ def test_capture_and_restore_continue_exactly(kind):
 class CrashImages:
     """Crashes injected from outside the learner's code, at every file-system step of a save.
 
-    While active, every file-system call a save can make is wrapped: ``open`` for writing
-    (builtins, io, os, ``Path.open``), ``os.replace/rename/renames/link/symlink/remove/unlink/
-    rmdir/removedirs/mkdir/makedirs/truncate/fsync/fdatasync``, ``shutil.move/copy/copy2/
-    copyfile/copytree/rmtree``, ``Path.write_bytes/write_text/touch/unlink/rmdir/rename/
-    replace/mkdir/hardlink_to/symlink_to`` and ``torch.save`` (also where ``labkit.elastic``
-    imported them by name). Before each of these calls, the rank copies ``root`` as it is on
-    disk: the image that a crash (SIGKILL of the rank, os._exit, a power cut) just before that
-    call leaves behind. After each file it writes, the same with that file cut in half: a crash
-    halfway through writing it. A call made inside a single operation (the ``open`` inside
-    ``Path.write_text``) is part of it; the calls inside a composite one (each file of
-    ``shutil.copytree``, each deletion of ``rmtree``, each directory of ``makedirs``) are steps
-    of their own, since a crash can fall between them. Every rank does this for its own calls,
-    under one lock shared by the ranks, so an image is a state the disk really passed through.
+    While active, every file-system call a save can make on the thread that saves is
+    wrapped: ``open`` for writing (builtins, io, os, ``Path.open``), ``os.replace/rename/
+    renames/link/symlink/remove/unlink/rmdir/removedirs/mkdir/makedirs/truncate/fsync/
+    fdatasync``, ``shutil.move/copy/copy2/copyfile/copytree/rmtree``, ``Path.write_bytes/
+    write_text/touch/unlink/rmdir/rename/replace/mkdir/hardlink_to/symlink_to`` and
+    ``torch.save`` (also where ``labkit.elastic`` imported them by name). Before each call,
+    the rank copies ``root`` as it is on disk: the image that a crash there (SIGKILL of the
+    rank, os._exit, a power cut) leaves behind, which is what a crash at the k-th call for
+    every k would leave, from one save. After each file it writes, the same with that file
+    cut in half: a crash halfway through writing it. A call made inside a single operation
+    (the ``open`` inside ``Path.write_text``) is part of it; the calls inside a composite one
+    (each file of ``shutil.copytree``, each deletion of ``rmtree``, each directory of
+    ``makedirs``) are steps of their own, since a crash can fall between them. Every rank
+    does this for its own calls, under one lock shared by the ranks, so an image is a state
+    the disk really passed through. An image that equals the previous one is not kept.
 
-    Judged afterwards (``judge_save``): an atomic save leaves, in every image, the previous
-    checkpoint or the new one complete; a save written in place, moved file by file, or
-    renamed before its metadata is in leaves a torn checkpoint directory in some image,
-    whatever calls it makes and whatever crash hooks of its own it has.
+    Judged afterwards (``judge_image``): an atomic save leaves, in every image, the previous
+    checkpoint or the new one complete, and that is what latest_checkpoint/load_checkpoint
+    find; a save written in place, moved file by file, copied, or renamed before its
+    metadata is in leaves a torn checkpoint directory in some image, whatever calls it makes
+    and whatever crash hooks of its own it has.
     """
 
     OPS = ("replace", "rename", "link", "symlink", "remove", "unlink", "rmdir", "mkdir", "truncate",
@@ -231,6 +235,7 @@ class CrashImages:
         self.images = Path(images)
         self.lock_path = str(lock)
         self.rank = dist.get_rank()
+        self.thread = None              # the thread that saves: other threads' calls pass through
         self.stack: list[str] = []      # kinds of the wrapped calls in progress
         self.busy = False               # copying an image: our own calls pass straight through
         self.steps: list[str] = []      # what each file-system step was
@@ -264,14 +269,18 @@ class CrashImages:
         for name in self.PATH_OPS:
             yield P, name, "op", f"Path.{name}"
         yield torch, "save", "save", "torch.save"
+        yield torch.serialization, "save", "save", "torch.save"
 
     def __enter__(self):
+        import threading
         import labkit.elastic as elastic
+        self.thread = threading.get_ident()
         self.images.mkdir(parents=True, exist_ok=True)
         self.lock = open(self.lock_path, "a")
         originals = {}
         for owner, name, kind, label in self._targets():
-            original = owner.__dict__.get(name, getattr(owner, name)) if isinstance(owner, type) else getattr(owner, name)
+            original = owner.__dict__.get(name, getattr(owner, name)) if isinstance(owner, type) \
+                else getattr(owner, name)
             wrapper = originals.get(id(original), (None, None))[1] or self._wrap(original, kind, label)
             originals[id(original)] = (original, wrapper)
             self.saved.append((owner, name, original))
@@ -322,12 +331,15 @@ class CrashImages:
         return kind, None
 
     def _call(self, original, kind, label, args, kwargs):
-        step = None if self.busy else self._classify(kind, args, kwargs)
+        import threading
+        mine = threading.get_ident() == self.thread and not self.busy
+        step = self._classify(kind, args, kwargs) if mine else None
         if step is None or (self.stack and self.stack[-1] != "composite"):
             return original(*args, **kwargs)  # a read, or part of an operation already counted
         with self._locked():
             self._flush_pending()
-            shown = [step[1]] if step[1] and kind != "os_open" else [a for a in args[:2] if isinstance(a, (str, os.PathLike))]
+            shown = [step[1]] if step[1] and kind != "os_open" else \
+                [a for a in args[:2] if isinstance(a, (str, os.PathLike))]
             self.steps.append(f"{label}({', '.join(self._rel(a) for a in shown)})")
             self._image(len(self.steps), f"just before {self.steps[-1]}")
             self.stack.append(step[0])
@@ -450,7 +462,8 @@ def judge_image(image: Path, n: int, rank: int, states: dict, previous: int, new
     """An image of the disk after a crash: the new checkpoint complete, or else the previous
     one; and latest_checkpoint/load_checkpoint find that one."""
     from labkit.elastic import latest_checkpoint, load_checkpoint, model_pieces
-    torn = checkpoint_problem(image / step_name(new), new, n, rank, states[new]) if (image / step_name(new)).exists() else "absent"
+    torn = checkpoint_problem(image / step_name(new), new, n, rank, states[new]) \
+        if (image / step_name(new)).exists() else "absent"
     if torn != "absent" and torn is not None:
         raise AssertionError(
             f"{what} leaves {step_name(new)} torn: {torn}. A checkpoint directory may exist only "
@@ -470,7 +483,8 @@ def judge_image(image: Path, n: int, rank: int, states: dict, previous: int, new
         f"{what}: {step_name(holds)} is complete there, but latest_checkpoint returns {found}"
     progress = load_checkpoint(found, model, opt)
     loaded = model_pieces(model)
-    assert progress.step == holds and all(torch.equal(loaded[k].tensor, p.tensor) for k, p in states[holds]["model"].items()), \
+    same = all(torch.equal(loaded[k].tensor, p.tensor) for k, p in states[holds]["model"].items())
+    assert progress.step == holds and same, \
         f"{what}: load_checkpoint({step_name(holds)}) does not give back the state saved at step {holds}"
 
 
@@ -508,7 +522,8 @@ def crash_everywhere_on_rank(tmp: str):
     # a crash left step_6.partial behind (rank 0's latest image of one); the restarted run saves again
     leftover = [None]
     if rank == 0:
-        partial = [shot for shot in faults.shots if shot[3] is None and any((shot[0] / f"{step_name(6)}.partial").glob("*"))]
+        partial = [shot for shot in faults.shots
+                   if shot[3] is None and any((shot[0] / f"{step_name(6)}.partial").glob("*"))]
         if partial:
             import shutil
             shutil.copytree(partial[-1][0], tmp / "restarted")
@@ -605,7 +620,8 @@ def bad_checkpoints_on_rank(root: str):
             found = latest_checkpoint(root)
         assert found is not None and Path(found).name == step_name(4), \
             (f"elastic.load: rank {rank}: under {sorted(p.name for p in root.iterdir())} (step 8 with a truncated "
-             f"rank1.pt, step 10 never renamed from .partial) latest_checkpoint returns {found}; expected {step_name(4)}")
+             f"rank1.pt, step 10 never renamed from .partial) latest_checkpoint returns {found}; "
+             f"expected {step_name(4)}")
         assert step_name(8) in printed.getvalue() and "rank1.pt" in printed.getvalue(), \
             (f"elastic.load: rank {rank}: latest_checkpoint skipped the damaged {step_name(8)} without reporting it "
              f"by name (printed: {printed.getvalue()[:200]!r}); print the error that names the file")
@@ -621,9 +637,9 @@ def bad_checkpoints_on_rank(root: str):
                                    ("missing", r"rank1\.pt.*missing", "rank1.pt deleted"),
                                    ("no_metadata", r"metadata\.json", "metadata.json deleted"),
                                    ("torn_metadata", r"metadata\.json", "metadata.json cut in half")):
-            refused(lambda: load_checkpoint(cases / case, model, opt), pattern,
+            refused(lambda folder=cases / case: load_checkpoint(folder, model, opt), pattern,
                     f"elastic.load: rank {rank}: loading a checkpoint with {how}")
-            refused(lambda: validate_checkpoint(cases / case), pattern,
+            refused(lambda folder=cases / case: validate_checkpoint(folder), pattern,
                     f"elastic.load: rank {rank}: validating a checkpoint with {how}")
     no_communication(tracer.events, f"elastic.load: rank {rank}: latest_checkpoint, validate_checkpoint and "
                                     "load_checkpoint read files (no communication)")
@@ -658,7 +674,7 @@ def continue_from(kind: str, root: str, more: int):
 def test_a_checkpoint_from_two_ranks_loads_at_one_three_and_four(tmp_path, kind):
     uninterrupted = run_graded("elastic.load", save_at, 2, kind, str(tmp_path / "whole"), (STEPS,))[0]
     run_graded("elastic.save", save_at, 2, kind, str(tmp_path / "half"), (STEPS // 2,))
-    for world in (1, 3, 4):
+    for world in (3, 4, 1):
         curve = run_graded("elastic.load", continue_from, world, kind, str(tmp_path / "half"), STEPS - STEPS // 2)[0]
         assert_close(torch.tensor(curve), torch.tensor(uninterrupted),
                      f"elastic.load: {kind}: saved at 2 ranks, resumed at {world}: loss curve vs the uninterrupted run")
@@ -803,10 +819,10 @@ def train_job(kind, root, steps=STEPS, fail_at=None, save_every=2):
 
 
 @task("elastic.resume", points=3)
-@pytest.mark.parametrize("world_size, kind, save_every", [(2, "fsdp", 2), (4, "fsdp", 2), (2, "zero", 4)])
+@pytest.mark.parametrize("world_size, kind, save_every", [(2, "zero", 4), (4, "fsdp", 2), (2, "fsdp", 2)])
 def test_a_killed_rank_resumes_exactly(tmp_path, world_size, kind, save_every):
     import labkit
-    step = random.Random(f"{world_size}{kind}").randrange(1, STEPS)  # seeded: reproducible
+    step = random.Random(f"{world_size}{kind}").randrange(save_every + 1, STEPS)  # seeded; after a checkpoint
     victim = world_size - 1
     clean = run_graded("elastic.resume", train_job, world_size, kind, str(tmp_path / "clean"), STEPS, None, save_every)
     try:
