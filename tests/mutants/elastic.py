@@ -121,6 +121,15 @@ MUTANTS = [
                 "    dist.gather_object((name, file_digest(staging / name), index), gathered, dst=0)",
            replace="    gathered = [None] * world\n"
                    "    dist.all_gather_object(gathered, (name, file_digest(staging / name), index))"),
+    Mutant("elastic.save", "files_sent_to_rank0",
+           "sends its file's bytes along with the digest, so that rank 0 can check every file itself",
+           find="    gathered = [None] * world if rank == 0 else None\n"
+                "    dist.gather_object((name, file_digest(staging / name), index), gathered, dst=0)\n",
+           replace="    blob = (staging / name).read_bytes()\n"
+                   "    gathered = [None] * world if rank == 0 else None\n"
+                   "    dist.gather_object((name, file_digest(staging / name), index, blob), gathered, dst=0)\n"
+                   "    if rank == 0:\n"
+                   "        gathered = [g[:3] for g in gathered if hashlib.sha256(g[3]).hexdigest() == g[1][\"sha256\"]]\n"),
     Mutant("elastic.save", "broadcasts_the_path",
            "one collective too many: rank 0 tells everyone where the checkpoint is",
            find="    dist.barrier()\n    return final\n",
