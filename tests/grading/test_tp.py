@@ -4,11 +4,22 @@ Every check runs on every rank at tensor-parallel degrees 1-4, in float64, again
 unsharded module in one process: outputs, input gradients, and the weight gradients
 gathered from every rank's slice. The whole tensor-parallel GPT trains 5 AdamW steps next
 to the single-process GPT (tied and untied head), and next to the same GPT parallelised
-with PyTorch's ``parallelize_module``. The tracer checks the behaviour: f and g
-communicate in the right direction only, each transformer block issues exactly 2
-all-reduces of B·T·H numbers forward and 2 backward, and the vocabulary-parallel loss
-sends B·T numbers per reduction, never the B·T·V logits. The GPT's shape divides by 3 and 4.
+with PyTorch's ``parallelize_module``.
+
+The tracer certifies the technique: every forward and every backward is compared with the
+chapter's whole communication signature (``labkit.comm.assert_ops``: each op's kind,
+count, group and bytes, and nothing else), derived here from the shapes (numel x 8 bytes):
+f is silent forward and all-reduces the input's gradient backward, g the mirror image; a
+column layer all-gathers its output only with gather_output, a row layer all-reduces its
+partial products (and all-gathers the input's gradient only when it took its own slice of
+a whole input); an MLP or attention block issues exactly one all-reduce of B*T*H numbers
+forward (g) and one backward (f), nothing in between; the vocabulary-parallel embedding
+one all-reduce forward, the loss three of B*T numbers and never the B*T*V logits; the GPT
+1 + 2L forward (+ the loss's 3) and 1 + 2L backward; ``full_state_dict`` one all-gather
+per split tensor, nothing for the replicated ones. The GPT's shape divides by 3 and 4.
 """
+
+import math
 
 import pytest
 import torch
@@ -17,12 +28,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
 B, T = 3, 8
 STEPS = 5
+DTYPE = torch.float64  # every tensor of these tests
 
 
 def config(**changes):
@@ -38,7 +50,7 @@ def setup():
 
 def seeded(*shape, seed, requires_grad=False):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+    return torch.randn(*shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
 
 
 def gathered(local: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
@@ -53,9 +65,18 @@ def check(task_id, what, actual, expected):
     assert_close(actual, expected, f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
 
 
-def all_reduces(tracer, backward: bool) -> list[int]:
-    """Elements per all-reduce issued in forward (or backward), in order."""
-    return [e.bytes // 8 for e in tracer.events if e.kind == "all_reduce" and e.in_backward == backward]
+def nbytes(*shape) -> int:
+    """Bytes of a float64 tensor of ``shape``: what one op of the signature moves."""
+    return math.prod(shape) * DTYPE.itemsize
+
+
+def signature(task_id, tracer, expected, what):
+    """The whole traced communication of ``what`` is ``expected`` (a list of ``Op``), on the
+    whole world (the tensor-parallel group of these tests). Ops on a one-rank group carry
+    no communication and are left out on both sides (world size 1 may skip them)."""
+    events = [e for e in tracer.events if len(e.group) > 1]
+    assert_ops(events, [op for op in expected if len(op[2]) > 1],
+               f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
 
 
 # ----------------------------------------------------------------------------- f and g
@@ -66,25 +87,26 @@ def f_g_on_rank():
     n, rank = setup()
     x = seeded(B, T, 6, seed=1, requires_grad=True)
     upstream = [seeded(B, T, 6, seed=10 + r) for r in range(n)]
+    grad = Op("all_reduce", nbytes(B, T, 6))  # one all-reduce (sum) of the whole [B, T, 6] tensor
     with CommTracer() as fwd:
         y = copy_to_parallel(x)
     check("tp.f_g", "f forward is the identity", y, x.detach())
+    signature("tp.f_g", fwd, [], "f forward (the identity: no communication)")
     with CommTracer() as bwd:
         y.backward(upstream[rank])
     check("tp.f_g", "f backward sums the ranks' gradients", x.grad, sum(upstream))
-    assert not fwd.events and len(all_reduces(bwd, True)) == 1, \
-        f"tp.f_g: f must communicate only in backward (one all-reduce); traced {fwd.summary()} / {bwd.summary()}"
+    signature("tp.f_g", bwd, [grad], "f backward (one all-reduce of the gradient)")
 
     parts = [seeded(B, T, 6, seed=20 + r) for r in range(n)]
     mine = parts[rank].clone().requires_grad_()
     with CommTracer() as fwd:
         z = reduce_from_parallel(mine)
     check("tp.f_g", "g forward sums the ranks' partial results", z, sum(parts))
+    signature("tp.f_g", fwd, [grad], "g forward (one all-reduce of the partial results)")
     with CommTracer() as bwd:
-        z.backward(upstream[0])
+        z.backward(upstream[0])  # the same on every rank, as after a g: averaging it changes nothing
     check("tp.f_g", "g backward is the identity", mine.grad, upstream[0])
-    assert len(all_reduces(fwd, False)) == 1 and not all_reduces(bwd, True), \
-        f"tp.f_g: g must all-reduce once in forward and never in backward; traced {fwd.summary()} / {bwd.summary()}"
+    signature("tp.f_g", bwd, [], "g backward (the identity: no communication)")
 
 
 @task("tp.f_g", points=1)
@@ -110,15 +132,25 @@ def column_on_rank():
     for gather_output in (False, True):
         layer = ColumnParallelLinear.from_linear(full, gather_output=gather_output)
         x.grad = None
-        y = layer(x)
+        with CommTracer() as fwd:
+            y = layer(x)
         what = f"gather_output={gather_output}"
         if gather_output:
             check("tp.column", f"{what}: output", y, y_ref.detach())
-            (y * weights).sum().backward()
+            loss = (y * weights).sum()
         else:
             check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
-            (y * weights.chunk(n, -1)[rank]).sum().backward()
+            loss = (y * weights.chunk(n, -1)[rank]).sum()
+        # forward: no communication, or with gather_output the all-gather of the [B, T, 24]
+        # output; backward: f's all-reduce of the input's gradient [B, T, 12], nothing else.
+        signature("tp.column", fwd, [Op("all_gather", nbytes(B, T, 24))] if gather_output else [],
+                  f"{what}: forward" + (" (one all-gather of the output)" if gather_output else
+                                        " (the input is whole on every rank: no communication)"))
+        with CommTracer() as bwd:
+            loss.backward()
         check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
+        signature("tp.column", bwd, [Op("all_reduce", nbytes(B, T, 12))],
+                  f"{what}: backward (f: one all-reduce of the input's gradient)")
         check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0), full.weight.grad)
         check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0), full.bias.grad)
 
@@ -138,12 +170,22 @@ def row_on_rank():
         layer = RowParallelLinear.from_linear(full, input_is_parallel=input_is_parallel)
         x = seeded(B, T, 24, seed=8)
         x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
-        y = layer(x)
+        with CommTracer() as fwd:
+            y = layer(x)
         what = f"input_is_parallel={input_is_parallel}"
         check("tp.row", f"{what}: output", y, y_ref.detach())
-        (y * weights).sum().backward()
+        # forward: g's all-reduce of the partial products [B, T, 12] (taking a slice of a
+        # whole input costs nothing); backward: nothing, or, for a whole input, the
+        # all-gather of its gradient [B, T, 24].
+        signature("tp.row", fwd, [Op("all_reduce", nbytes(B, T, 12))],
+                  f"{what}: forward (g: one all-reduce of the partial products)")
+        with CommTracer() as bwd:
+            (y * weights).sum().backward()
         expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
         check("tp.row", f"{what}: input gradient", x.grad, expected)
+        signature("tp.row", bwd, [] if input_is_parallel else [Op("all_gather", nbytes(B, T, 24))],
+                  f"{what}: backward" + (" (g's backward is the identity: no communication)" if input_is_parallel
+                                         else " (one all-gather of the input's gradient)"))
         check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1), full.weight.grad)
         check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
 
@@ -175,24 +217,27 @@ def block_part_on_rank(kind: str):
     x_ref, x = seeded(B, T, 48, seed=11, requires_grad=True), seeded(B, T, 48, seed=11, requires_grad=True)
     weights = seeded(B, T, 48, seed=12)
     (ref(x_ref) * weights).sum().backward()
+    layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
+    what = "MLP" if kind == "mlp" else "attention"
+    # One all-reduce of the block's [B, T, H] output forward (g) and one of its input's
+    # gradient backward (f); nothing between the two layers, and no gathering of heads.
     with CommTracer() as fwd:
         y = part(x)
     check(task_id, "output", y, ref(x_ref.detach()).detach())
+    signature(task_id, fwd, [Op("all_reduce", nbytes(B, T, 48))],
+              f"{what} forward (exactly one all-reduce of B*T*H, g after c_proj; nothing between "
+              f"{layers[0]} and c_proj)")
     with CommTracer() as bwd:
         (y * weights).sum().backward()
     check(task_id, "input gradient", x.grad, x_ref.grad)
-    layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
+    signature(task_id, bwd, [Op("all_reduce", nbytes(B, T, 48))],
+              f"{what} backward (exactly one all-reduce of B*T*H, f before {layers[0]})")
     for name in layers:
         mine, theirs = getattr(part, name), getattr(ref, name)
         dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
         check(task_id, f"{name}.weight gradient, gathered", gathered(mine.weight.grad, dim, parts), theirs.weight.grad)
         bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts)
         check(task_id, f"{name}.bias gradient", bias, theirs.bias.grad)
-    if n > 1:
-        bth = B * T * 48
-        assert all_reduces(fwd, False) == [bth] and all_reduces(bwd, True) == [bth], \
-            (f"{task_id}: expected one all-reduce of B*T*H = {bth} numbers in forward (g) and one in "
-             f"backward (f); traced forward {all_reduces(fwd, False)}, backward {all_reduces(bwd, True)}")
     unsharded = sum(p.numel() for p in ref.parameters())
     replicated = ref.c_proj.bias.numel()
     assert sum(p.numel() for p in part.parameters()) == (unsharded - replicated) // n + replicated, \
@@ -214,6 +259,14 @@ def test_parallel_attention(world_size):
 # ----------------------------------------------------------------------------- vocabulary
 
 
+def boundary_tokens(V: int, count: int, seed: int) -> torch.Tensor:
+    """[B, T] token ids that hold, at every degree 1-4, the first and last token of every
+    rank's slice of the vocabulary (where an off-by-one mask goes wrong), then random ones."""
+    edges = sorted({k * V // n + d for n in WORLD_SIZES for k in range(n + 1) for d in (-1, 0)} & set(range(V)))
+    rest = torch.randint(0, V, (count - len(edges),), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([torch.tensor(edges), rest])[torch.randperm(count, generator=torch.Generator().manual_seed(seed))]
+
+
 def vocab_on_rank():
     from labkit.tp import VocabParallelEmbedding, vocab_parallel_cross_entropy
     n, rank = setup()
@@ -221,29 +274,38 @@ def vocab_on_rank():
     table = nn.Embedding(V, 16).double()
     with torch.no_grad():
         table.weight.copy_(seeded(V, 16, seed=13))
-    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(14))
+    idx = boundary_tokens(V, B * T, seed=14).view(B, T)
     emb = VocabParallelEmbedding.from_embedding(table)
     weights = seeded(B, T, 16, seed=15)
-    check("tp.vocab", "embedding lookup", emb(idx), table(idx).detach())
-    (emb(idx) * weights).sum().backward()
+    with CommTracer() as fwd:
+        rows = emb(idx)
+    check("tp.vocab", "embedding lookup (tokens at every slice's first and last id)", rows, table(idx).detach())
+    signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T, 16))],
+              "embedding forward (g: one all-reduce of the [B, T, 16] lookups)")
+    with CommTracer() as bwd:
+        (rows * weights).sum().backward()
+    signature("tp.vocab", bwd, [], "embedding backward (g's backward: no communication)")
     (table(idx) * weights).sum().backward()
     check("tp.vocab", "embedding weight gradient, gathered", gathered(emb.weight.grad, 0), table.weight.grad)
 
-    logits_ref = seeded(B, T, V, seed=16, requires_grad=True)
+    # Logits around 1000: exp() overflows unless the global max is subtracted first.
+    logits_ref = (seeded(B, T, V, seed=16) + 1000).requires_grad_()
     local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
-    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(17))
+    targets = boundary_tokens(V, B * T, seed=17).view(B, T)
     expected = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     expected.backward()
-    with CommTracer() as tracer:
+    with CommTracer() as fwd:
         loss = vocab_parallel_cross_entropy(local, targets)
+    check("tp.vocab", "vocabulary-parallel cross-entropy (logits near 1000, targets at every slice's edges)",
+          loss.detach(), expected.detach())
+    # Three all-reduces of one number per token (the max, the sum of exponentials, the
+    # target's logit); never the [B, T, V] logits; backward needs no communication.
+    signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T))] * 3,
+              "loss forward (three all-reduces of B*T numbers: max, sum of exp, target logit)")
+    with CommTracer() as bwd:
         loss.backward()
-    check("tp.vocab", "vocabulary-parallel cross-entropy", loss.detach(), expected.detach())
     check("tp.vocab", "gradient of this rank's logits", local.grad, logits_ref.grad.chunk(n, -1)[rank])
-    if n > 1:
-        sizes = [e.bytes // 8 for e in tracer.events]
-        assert tracer.kinds() <= {"all_reduce"} and sizes == [B * T] * 3, \
-            (f"tp.vocab: the loss must reduce B*T = {B * T} numbers three times (max, sum of exp, target "
-             f"logit) and never move the logits; traced {tracer.summary()} with sizes {sizes}")
+    signature("tp.vocab", bwd, [], "loss backward (softmax - one-hot, from local values: no communication)")
 
 
 @task("tp.vocab", points=1.5)
@@ -261,6 +323,27 @@ def tokens(step: int):
     return x[step * B:(step + 1) * B], y[step * B:(step + 1) * B]
 
 
+# Which parameters tensor parallelism splits (chapter 05): the vocabulary tables, c_attn and
+# c_fc by output rows (weight and bias), both c_proj weights by input columns. The rest
+# (LayerNorms, wpe, the c_proj biases) stays whole on every rank.
+SPLIT = ("wte.weight", "lm_head.weight", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+         "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")
+
+
+def full_state_dict_signature(ref, tied: bool, tracer, what: str) -> None:
+    """One all-gather of the full tensor per split entry of the state dict, nothing for the
+    replicated ones. A tied head is the embedding's table: gathered once or once per key."""
+    split = [(name, nbytes(*value.shape)) for name, value in ref.state_dict().items() if name.endswith(SPLIT)]
+    expected = [Op("all_gather", size) for _, size in split]
+    try:
+        signature("tp.model", tracer, expected, what)
+    except AssertionError:
+        if not tied:
+            raise
+        once = [Op("all_gather", size) for name, size in split if name != "lm_head.weight"]
+        signature("tp.model", tracer, once, what + " (the tied head gathered once)")
+
+
 def gpt_on_rank(tie: bool):
     """The TP GPT vs the single-process GPT: loss every step, gradients of step 0, weights
     after 5 AdamW steps (gathered with the learner's full_state_dict), the traffic of a step."""
@@ -268,10 +351,17 @@ def gpt_on_rank(tie: bool):
     from labkit.tp import full_state_dict, tensor_parallel
     n, rank = setup()
     ref = GPT(config(tie_weights=tie)).double()
-    model = tensor_parallel(GPT(config(tie_weights=tie)).double())
+    with CommTracer() as built:
+        model = tensor_parallel(GPT(config(tie_weights=tie)).double())
+    signature("tp.model", built, [], f"tie_weights={tie}: tensor_parallel (every rank slices the same "
+              "weights: no communication)")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    L, bth = ref.config.n_layer, B * T * ref.config.n_embd
+    L, H = ref.config.n_layer, ref.config.n_embd
+    # Forward: the embedding's g, g after each block's attention and MLP, the loss's three
+    # reductions of B*T numbers; backward: the head's f, f before each attention and MLP.
+    forward = [Op("all_reduce", nbytes(B, T, H))] * (1 + 2 * L) + [Op("all_reduce", nbytes(B, T))] * 3
+    backward = [Op("all_reduce", nbytes(B, T, H))] * (1 + 2 * L)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
@@ -283,24 +373,26 @@ def gpt_on_rank(tie: bool):
             loss.backward()
         what = f"tie_weights={tie}, step {step}"
         check("tp.model", f"{what}: loss", loss.detach(), loss_ref.detach())
+        signature("tp.model", fwd, forward, f"{what}: forward (1 + 2L all-reduces of B*T*H, then the loss's 3 of B*T)")
+        signature("tp.model", bwd, backward, f"{what}: backward (1 + 2L all-reduces of B*T*H)")
         assert logits.shape == (B, T, 48 // n), f"tp.model: logits of rank {rank} are {tuple(logits.shape)}; expected this rank's vocabulary slice"
         if step == 0:
-            grads = full_state_dict(model, grads=True)
+            with CommTracer() as gather:
+                grads = full_state_dict(model, grads=True)
             for name, p in ref.named_parameters():
                 check("tp.model", f"{what}: gradient of {name}, gathered", grads[name], p.grad)
-            if n > 1:  # embedding g, then 2 per block, then the loss's 3; backward: head f, 2 per block
-                assert all_reduces(fwd, False) == [bth] * (1 + 2 * L) + [B * T] * 3, \
-                    f"tp.model: forward all-reduces (numbers each) {all_reduces(fwd, False)}; expected {[bth] * (1 + 2 * L) + [B * T] * 3}"
-                assert all_reduces(bwd, True) == [bth] * (1 + 2 * L), \
-                    f"tp.model: backward all-reduces {all_reduces(bwd, True)}; expected {[bth] * (1 + 2 * L)}"
+            full_state_dict_signature(ref, tie, gather, f"{what}: full_state_dict(grads=True)")
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
         losses.append(loss.item())
-    state, expected = full_state_dict(model), ref.state_dict()
+    with CommTracer() as gather:
+        state = full_state_dict(model)
+    expected = ref.state_dict()
     assert set(state) == set(expected), f"tp.model: full_state_dict keys differ: {set(state) ^ set(expected)}"
     for name, value in expected.items():
         check("tp.model", f"tie_weights={tie}: {name} after {STEPS} steps", state[name], value)
+    full_state_dict_signature(ref, tie, gather, f"tie_weights={tie}: full_state_dict")
     return losses
 
 
