@@ -2,7 +2,8 @@
 
 Every check runs on every rank at tensor-parallel degrees 1-4, in float64, against the
 unsharded module in one process: outputs, input gradients, and the weight gradients
-gathered from every rank's slice. The whole tensor-parallel GPT trains 5 AdamW steps next
+gathered from every rank's slice; at world size 4 each is repeated over the pairs of ranks
+{0, 1} and {2, 3}, so that a part that ignores its group (and works over every rank) fails. The whole tensor-parallel GPT trains 5 AdamW steps next
 to the single-process GPT (tied and untied head), and next to the same GPT parallelised
 with PyTorch's ``parallelize_module``.
 
@@ -53,11 +54,34 @@ def seeded(*shape, seed, requires_grad=False):
     return torch.randn(*shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
 
 
-def gathered(local: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+class Group:
+    """A tensor-parallel group a check runs over: its handle (None: the world) and its ranks."""
+
+    def __init__(self, handle, ranks):
+        self.handle, self.ranks = handle, tuple(ranks)
+        self.n, self.rank = len(self.ranks), self.ranks.index(dist.get_rank())
+
+    def __str__(self):
+        return "" if self.handle is None else f" (TP over the group {self.ranks})"
+
+
+def tp_groups() -> list[Group]:
+    """The groups each check runs over: the world, and at world size 4 also the pairs {0, 1}
+    and {2, 3}: a layer must run over the group it was given, not over every rank."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    groups = [Group(None, range(n))]
+    if n == 4:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        groups.append(Group(pairs[rank // 2], (rank - rank % 2, rank - rank % 2 + 1)))
+    return groups
+
+
+def gathered(local: torch.Tensor, dim: int, parts: int = 1, group: Group | None = None) -> torch.Tensor:
     """The full tensor from every rank's slice (test-side: does not use the learner's code)."""
     from labkit.tp import unshard
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, local.detach().contiguous())
+    group = group or Group(None, range(dist.get_world_size()))
+    pieces = [torch.empty_like(local) for _ in range(group.n)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=group.handle)
     return unshard(pieces, dim, parts)
 
 
@@ -71,9 +95,9 @@ def nbytes(*shape) -> int:
 
 
 def signature(task_id, tracer, expected, what):
-    """The whole traced communication of ``what`` is ``expected`` (a list of ``Op``), on the
-    whole world (the tensor-parallel group of these tests). Ops on a one-rank group carry
-    no communication and are left out on both sides (world size 1 may skip them)."""
+    """The whole traced communication of ``what`` is ``expected`` (a list of ``Op``, each on
+    its group). Ops on a one-rank group carry no communication and are left out on both
+    sides (world size 1 may skip them)."""
     events = [e for e in tracer.events if len(e.group) > 1]
     assert_ops(events, [op for op in expected if len(op[2]) > 1],
                f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
@@ -83,30 +107,36 @@ def signature(task_id, tracer, expected, what):
 
 
 def f_g_on_rank():
+    setup()
+    for group in tp_groups():
+        f_g_over(group)
+
+
+def f_g_over(group: Group):
     from labkit.tp import copy_to_parallel, reduce_from_parallel
-    n, rank = setup()
+    n, rank = group.n, group.rank
     x = seeded(B, T, 6, seed=1, requires_grad=True)
-    upstream = [seeded(B, T, 6, seed=10 + r) for r in range(n)]
-    grad = Op("all_reduce", nbytes(B, T, 6))  # one all-reduce (sum) of the whole [B, T, 6] tensor
+    upstream = [seeded(B, T, 6, seed=10 + group.ranks[r]) for r in range(n)]
+    grad = Op("all_reduce", nbytes(B, T, 6), group.ranks)  # one all-reduce (sum) of the whole [B, T, 6] tensor
     with CommTracer() as fwd:
-        y = copy_to_parallel(x)
-    check("tp.f_g", "f forward is the identity", y, x.detach())
-    signature("tp.f_g", fwd, [], "f forward (the identity: no communication)")
+        y = copy_to_parallel(x, group.handle)
+    check("tp.f_g", f"f forward is the identity{group}", y, x.detach())
+    signature("tp.f_g", fwd, [], f"f forward{group} (the identity: no communication)")
     with CommTracer() as bwd:
         y.backward(upstream[rank])
-    check("tp.f_g", "f backward sums the ranks' gradients", x.grad, sum(upstream))
-    signature("tp.f_g", bwd, [grad], "f backward (one all-reduce of the gradient)")
+    check("tp.f_g", f"f backward sums the group's gradients{group}", x.grad, sum(upstream))
+    signature("tp.f_g", bwd, [grad], f"f backward{group} (one all-reduce of the gradient over the group)")
 
-    parts = [seeded(B, T, 6, seed=20 + r) for r in range(n)]
+    parts = [seeded(B, T, 6, seed=20 + group.ranks[r]) for r in range(n)]
     mine = parts[rank].clone().requires_grad_()
     with CommTracer() as fwd:
-        z = reduce_from_parallel(mine)
-    check("tp.f_g", "g forward sums the ranks' partial results", z, sum(parts))
-    signature("tp.f_g", fwd, [grad], "g forward (one all-reduce of the partial results)")
+        z = reduce_from_parallel(mine, group.handle)
+    check("tp.f_g", f"g forward sums the group's partial results{group}", z, sum(parts))
+    signature("tp.f_g", fwd, [grad], f"g forward{group} (one all-reduce of the partial results over the group)")
     with CommTracer() as bwd:
         z.backward(upstream[0])  # the same on every rank, as after a g: averaging it changes nothing
-    check("tp.f_g", "g backward is the identity", mine.grad, upstream[0])
-    signature("tp.f_g", bwd, [], "g backward (the identity: no communication)")
+    check("tp.f_g", f"g backward is the identity{group}", mine.grad, upstream[0])
+    signature("tp.f_g", bwd, [], f"g backward{group} (the identity: no communication)")
 
 
 @task("tp.f_g", points=1)
@@ -120,7 +150,7 @@ def test_f_and_g(world_size):
 
 def column_on_rank():
     from labkit.tp import ColumnParallelLinear
-    n, rank = setup()
+    setup()
     full = nn.Linear(12, 24).double()
     with torch.no_grad():
         full.weight.copy_(seeded(24, 12, seed=2))
@@ -129,35 +159,39 @@ def column_on_rank():
     weights = seeded(B, T, 24, seed=5)  # loss = sum(y * weights): every output counts
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for gather_output in (False, True):
-        layer = ColumnParallelLinear.from_linear(full, gather_output=gather_output)
-        x.grad = None
-        with CommTracer() as fwd:
-            y = layer(x)
-        what = f"gather_output={gather_output}"
-        if gather_output:
-            check("tp.column", f"{what}: output", y, y_ref.detach())
-            loss = (y * weights).sum()
-        else:
-            check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
-            loss = (y * weights.chunk(n, -1)[rank]).sum()
-        # forward: no communication, or with gather_output the all-gather of the [B, T, 24]
-        # output; backward: f's all-reduce of the input's gradient [B, T, 12], nothing else.
-        signature("tp.column", fwd, [Op("all_gather", nbytes(B, T, 24))] if gather_output else [],
-                  f"{what}: forward" + (" (one all-gather of the output)" if gather_output else
-                                        " (the input is whole on every rank: no communication)"))
-        with CommTracer() as bwd:
-            loss.backward()
-        check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
-        signature("tp.column", bwd, [Op("all_reduce", nbytes(B, T, 12))],
-                  f"{what}: backward (f: one all-reduce of the input's gradient)")
-        check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0), full.weight.grad)
-        check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0), full.bias.grad)
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        for gather_output in (False, True):
+            layer = ColumnParallelLinear.from_linear(full, group.handle, gather_output=gather_output)
+            x.grad = None
+            with CommTracer() as fwd:
+                y = layer(x)
+            what = f"gather_output={gather_output}{group}"
+            if gather_output:
+                check("tp.column", f"{what}: output", y, y_ref.detach())
+                loss = (y * weights).sum()
+            else:
+                check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
+                loss = (y * weights.chunk(n, -1)[rank]).sum()
+            # forward: no communication, or with gather_output the all-gather of the [B, T, 24]
+            # output; backward: f's all-reduce of the input's gradient [B, T, 12], nothing else.
+            signature("tp.column", fwd, [Op("all_gather", nbytes(B, T, 24), group.ranks)] if gather_output else [],
+                      f"{what}: forward" + (" (one all-gather of the output over the group)" if gather_output else
+                                            " (the input is whole on every rank: no communication)"))
+            with CommTracer() as bwd:
+                loss.backward()
+            check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
+            signature("tp.column", bwd, [Op("all_reduce", nbytes(B, T, 12), group.ranks)],
+                      f"{what}: backward (f: one all-reduce of the input's gradient over the group)")
+            check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0, group=group),
+                  full.weight.grad)
+            check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0, group=group),
+                  full.bias.grad)
 
 
 def row_on_rank():
     from labkit.tp import RowParallelLinear
-    n, rank = setup()
+    setup()
     full = nn.Linear(24, 12).double()
     with torch.no_grad():
         full.weight.copy_(seeded(12, 24, seed=6))
@@ -166,28 +200,31 @@ def row_on_rank():
     weights = seeded(B, T, 12, seed=9)
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for input_is_parallel in (True, False):
-        layer = RowParallelLinear.from_linear(full, input_is_parallel=input_is_parallel)
-        x = seeded(B, T, 24, seed=8)
-        x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
-        with CommTracer() as fwd:
-            y = layer(x)
-        what = f"input_is_parallel={input_is_parallel}"
-        check("tp.row", f"{what}: output", y, y_ref.detach())
-        # forward: g's all-reduce of the partial products [B, T, 12] (taking a slice of a
-        # whole input costs nothing); backward: nothing, or, for a whole input, the
-        # all-gather of its gradient [B, T, 24].
-        signature("tp.row", fwd, [Op("all_reduce", nbytes(B, T, 12))],
-                  f"{what}: forward (g: one all-reduce of the partial products)")
-        with CommTracer() as bwd:
-            (y * weights).sum().backward()
-        expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
-        check("tp.row", f"{what}: input gradient", x.grad, expected)
-        signature("tp.row", bwd, [] if input_is_parallel else [Op("all_gather", nbytes(B, T, 24))],
-                  f"{what}: backward" + (" (g's backward is the identity: no communication)" if input_is_parallel
-                                         else " (one all-gather of the input's gradient)"))
-        check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1), full.weight.grad)
-        check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        for input_is_parallel in (True, False):
+            layer = RowParallelLinear.from_linear(full, group.handle, input_is_parallel=input_is_parallel)
+            x = seeded(B, T, 24, seed=8)
+            x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
+            with CommTracer() as fwd:
+                y = layer(x)
+            what = f"input_is_parallel={input_is_parallel}{group}"
+            check("tp.row", f"{what}: output", y, y_ref.detach())
+            # forward: g's all-reduce of the partial products [B, T, 12] (taking a slice of a
+            # whole input costs nothing); backward: nothing, or, for a whole input, the
+            # all-gather of its gradient [B, T, 24].
+            signature("tp.row", fwd, [Op("all_reduce", nbytes(B, T, 12), group.ranks)],
+                      f"{what}: forward (g: one all-reduce of the partial products over the group)")
+            with CommTracer() as bwd:
+                (y * weights).sum().backward()
+            expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
+            check("tp.row", f"{what}: input gradient", x.grad, expected)
+            signature("tp.row", bwd, [] if input_is_parallel else [Op("all_gather", nbytes(B, T, 24), group.ranks)],
+                      f"{what}: backward" + (" (g's backward is the identity: no communication)" if input_is_parallel
+                                             else " (one all-gather of the input's gradient over the group)"))
+            check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1, group=group),
+                  full.weight.grad)
+            check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
 
 
 @task("tp.column", points=1)
@@ -209,39 +246,47 @@ def block_part_on_rank(kind: str):
     """MLP or attention of the GPT, parallel vs whole: outputs, gradients, traffic."""
     from labkit.models import GPT
     from labkit.tp import ParallelMLP, ParallelSelfAttention
-    n, rank = setup()
+    setup()
     task_id = f"tp.{kind}"
-    ref_block, block = GPT(config()).double().blocks[0], GPT(config()).double().blocks[0]
+    ref_block = GPT(config()).double().blocks[0]
     ref = ref_block.mlp if kind == "mlp" else ref_block.attn
-    part = ParallelMLP(block.mlp) if kind == "mlp" else ParallelSelfAttention(block.attn)
-    x_ref, x = seeded(B, T, 48, seed=11, requires_grad=True), seeded(B, T, 48, seed=11, requires_grad=True)
+    x_ref = seeded(B, T, 48, seed=11, requires_grad=True)
     weights = seeded(B, T, 48, seed=12)
     (ref(x_ref) * weights).sum().backward()
+    y_ref = ref(x_ref.detach()).detach()
     layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
-    what = "MLP" if kind == "mlp" else "attention"
-    # One all-reduce of the block's [B, T, H] output forward (g) and one of its input's
-    # gradient backward (f); nothing between the two layers, and no gathering of heads.
-    with CommTracer() as fwd:
-        y = part(x)
-    check(task_id, "output", y, ref(x_ref.detach()).detach())
-    signature(task_id, fwd, [Op("all_reduce", nbytes(B, T, 48))],
-              f"{what} forward (exactly one all-reduce of B*T*H, g after c_proj; nothing between "
-              f"{layers[0]} and c_proj)")
-    with CommTracer() as bwd:
-        (y * weights).sum().backward()
-    check(task_id, "input gradient", x.grad, x_ref.grad)
-    signature(task_id, bwd, [Op("all_reduce", nbytes(B, T, 48))],
-              f"{what} backward (exactly one all-reduce of B*T*H, f before {layers[0]})")
-    for name in layers:
-        mine, theirs = getattr(part, name), getattr(ref, name)
-        dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
-        check(task_id, f"{name}.weight gradient, gathered", gathered(mine.weight.grad, dim, parts), theirs.weight.grad)
-        bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts)
-        check(task_id, f"{name}.bias gradient", bias, theirs.bias.grad)
-    unsharded = sum(p.numel() for p in ref.parameters())
-    replicated = ref.c_proj.bias.numel()
-    assert sum(p.numel() for p in part.parameters()) == (unsharded - replicated) // n + replicated, \
-        f"{task_id}: rank {rank} holds {sum(p.numel() for p in part.parameters())} parameters; expected 1/{n} of the split ones"
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        block = GPT(config()).double().blocks[0]
+        part = ParallelMLP(block.mlp, group.handle) if kind == "mlp" else ParallelSelfAttention(block.attn, group.handle)
+        x = seeded(B, T, 48, seed=11, requires_grad=True)
+        what = ("MLP" if kind == "mlp" else "attention") + str(group)
+        # One all-reduce of the block's [B, T, H] output forward (g) and one of its input's
+        # gradient backward (f), over the group; nothing between the two layers, and no
+        # gathering of heads.
+        with CommTracer() as fwd:
+            y = part(x)
+        check(task_id, f"{what}: output", y, y_ref)
+        signature(task_id, fwd, [Op("all_reduce", nbytes(B, T, 48), group.ranks)],
+                  f"{what}: forward (exactly one all-reduce of B*T*H, g after c_proj; nothing between "
+                  f"{layers[0]} and c_proj)")
+        with CommTracer() as bwd:
+            (y * weights).sum().backward()
+        check(task_id, f"{what}: input gradient", x.grad, x_ref.grad)
+        signature(task_id, bwd, [Op("all_reduce", nbytes(B, T, 48), group.ranks)],
+                  f"{what}: backward (exactly one all-reduce of B*T*H, f before {layers[0]})")
+        for name in layers:
+            mine, theirs = getattr(part, name), getattr(ref, name)
+            dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
+            check(task_id, f"{what}: {name}.weight gradient, gathered",
+                  gathered(mine.weight.grad, dim, parts, group), theirs.weight.grad)
+            bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts, group)
+            check(task_id, f"{what}: {name}.bias gradient", bias, theirs.bias.grad)
+        unsharded = sum(p.numel() for p in ref.parameters())
+        replicated = ref.c_proj.bias.numel()
+        held = sum(p.numel() for p in part.parameters())
+        assert held == (unsharded - replicated) // n + replicated, \
+            f"{task_id}: rank {dist.get_rank()}: {what}: holds {held} parameters; expected 1/{n} of the split ones"
 
 
 @task("tp.mlp", points=1)
@@ -269,43 +314,48 @@ def boundary_tokens(V: int, count: int, seed: int) -> torch.Tensor:
 
 def vocab_on_rank():
     from labkit.tp import VocabParallelEmbedding, vocab_parallel_cross_entropy
-    n, rank = setup()
+    setup()
     V = 48
     table = nn.Embedding(V, 16).double()
     with torch.no_grad():
         table.weight.copy_(seeded(V, 16, seed=13))
     idx = boundary_tokens(V, B * T, seed=14).view(B, T)
-    emb = VocabParallelEmbedding.from_embedding(table)
     weights = seeded(B, T, 16, seed=15)
-    with CommTracer() as fwd:
-        rows = emb(idx)
-    check("tp.vocab", "embedding lookup (tokens at every slice's first and last id)", rows, table(idx).detach())
-    signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T, 16))],
-              "embedding forward (g: one all-reduce of the [B, T, 16] lookups)")
-    with CommTracer() as bwd:
-        (rows * weights).sum().backward()
-    signature("tp.vocab", bwd, [], "embedding backward (g's backward: no communication)")
-    (table(idx) * weights).sum().backward()
-    check("tp.vocab", "embedding weight gradient, gathered", gathered(emb.weight.grad, 0), table.weight.grad)
-
+    rows_ref = table(idx)
+    (rows_ref * weights).sum().backward()
     # Logits around 1000: exp() overflows unless the global max is subtracted first.
     logits_ref = (seeded(B, T, V, seed=16) + 1000).requires_grad_()
-    local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
     targets = boundary_tokens(V, B * T, seed=17).view(B, T)
     expected = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     expected.backward()
-    with CommTracer() as fwd:
-        loss = vocab_parallel_cross_entropy(local, targets)
-    check("tp.vocab", "vocabulary-parallel cross-entropy (logits near 1000, targets at every slice's edges)",
-          loss.detach(), expected.detach())
-    # Three all-reduces of one number per token (the max, the sum of exponentials, the
-    # target's logit); never the [B, T, V] logits; backward needs no communication.
-    signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T))] * 3,
-              "loss forward (three all-reduces of B*T numbers: max, sum of exp, target logit)")
-    with CommTracer() as bwd:
-        loss.backward()
-    check("tp.vocab", "gradient of this rank's logits", local.grad, logits_ref.grad.chunk(n, -1)[rank])
-    signature("tp.vocab", bwd, [], "loss backward (softmax - one-hot, from local values: no communication)")
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        emb = VocabParallelEmbedding.from_embedding(table, group.handle)
+        with CommTracer() as fwd:
+            rows = emb(idx)
+        check("tp.vocab", f"embedding lookup{group} (tokens at every slice's first and last id)", rows,
+              rows_ref.detach())
+        signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T, 16), group.ranks)],
+                  f"embedding forward{group} (g: one all-reduce of the [B, T, 16] lookups over the group)")
+        with CommTracer() as bwd:
+            (rows * weights).sum().backward()
+        signature("tp.vocab", bwd, [], f"embedding backward{group} (g's backward: no communication)")
+        check("tp.vocab", f"embedding weight gradient{group}, gathered", gathered(emb.weight.grad, 0, group=group),
+              table.weight.grad)
+
+        local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
+        with CommTracer() as fwd:
+            loss = vocab_parallel_cross_entropy(local, targets, group.handle)
+        check("tp.vocab", f"vocabulary-parallel cross-entropy{group} (logits near 1000, targets at every "
+              "slice's edges)", loss.detach(), expected.detach())
+        # Three all-reduces of one number per token (the max, the sum of exponentials, the
+        # target's logit); never the [B, T, V] logits; backward needs no communication.
+        signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T), group.ranks)] * 3,
+                  f"loss forward{group} (three all-reduces of B*T numbers: max, sum of exp, target logit)")
+        with CommTracer() as bwd:
+            loss.backward()
+        check("tp.vocab", f"gradient of this rank's logits{group}", local.grad, logits_ref.grad.chunk(n, -1)[rank])
+        signature("tp.vocab", bwd, [], f"loss backward{group} (softmax - one-hot, from local values: no communication)")
 
 
 @task("tp.vocab", points=1.5)
@@ -330,18 +380,28 @@ SPLIT = ("wte.weight", "lm_head.weight", "attn.c_attn.weight", "attn.c_attn.bias
          "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")
 
 
-def full_state_dict_signature(ref, tied: bool, tracer, what: str) -> None:
-    """One all-gather of the full tensor per split entry of the state dict, nothing for the
-    replicated ones. A tied head is the embedding's table: gathered once or once per key."""
+def full_state_dict_signature(ref, tied: bool, tracer, what: str, ranks=None) -> None:
+    """One all-gather of the full tensor per split entry of the state dict, over the group,
+    nothing for the replicated ones. A tied head is the embedding's table: gathered once or
+    once per key."""
     split = [(name, nbytes(*value.shape)) for name, value in ref.state_dict().items() if name.endswith(SPLIT)]
-    expected = [Op("all_gather", size) for _, size in split]
+    expected = [Op("all_gather", size, ranks) for _, size in split]
     try:
         signature("tp.model", tracer, expected, what)
     except AssertionError:
         if not tied:
             raise
-        once = [Op("all_gather", size) for name, size in split if name != "lm_head.weight"]
+        once = [Op("all_gather", size, ranks) for name, size in split if name != "lm_head.weight"]
         signature("tp.model", tracer, once, what + " (the tied head gathered once)")
+
+
+def step_signature(gpt_config, ranks=None) -> tuple[list, list]:
+    """The ops of a forward and of a backward of the TP GPT on a [B, T] batch, over the group.
+    Forward: the embedding's g, g after each block's attention and MLP, the loss's three
+    reductions of B*T numbers; backward: the head's f, f before each attention and MLP."""
+    L, H = gpt_config.n_layer, gpt_config.n_embd
+    forward = [Op("all_reduce", nbytes(B, T, H), ranks)] * (1 + 2 * L) + [Op("all_reduce", nbytes(B, T), ranks)] * 3
+    return forward, [Op("all_reduce", nbytes(B, T, H), ranks)] * (1 + 2 * L)
 
 
 def gpt_on_rank(tie: bool):
@@ -357,11 +417,7 @@ def gpt_on_rank(tie: bool):
               "weights: no communication)")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    L, H = ref.config.n_layer, ref.config.n_embd
-    # Forward: the embedding's g, g after each block's attention and MLP, the loss's three
-    # reductions of B*T numbers; backward: the head's f, f before each attention and MLP.
-    forward = [Op("all_reduce", nbytes(B, T, H))] * (1 + 2 * L) + [Op("all_reduce", nbytes(B, T))] * 3
-    backward = [Op("all_reduce", nbytes(B, T, H))] * (1 + 2 * L)
+    forward, backward = step_signature(ref.config)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
@@ -398,8 +454,8 @@ def gpt_on_rank(tie: bool):
 
 def bad_shapes_on_rank():
     from labkit.models import GPT
-    from labkit.tp import ColumnParallelLinear, RowParallelLinear, tensor_parallel
-    n = dist.get_world_size()
+    from labkit.tp import ColumnParallelLinear, RowParallelLinear, full_state_dict, tensor_parallel
+    n = setup()[0]
     cases = [(lambda: tensor_parallel(GPT(config(n_head=6, n_embd=48))), "n_head"),
              (lambda: tensor_parallel(GPT(config(vocab_size=50))), "vocab_size"),
              (lambda: ColumnParallelLinear(8, 10), "out_features"),
@@ -413,11 +469,29 @@ def bad_shapes_on_rank():
             else:
                 raise AssertionError(f"tp.model: a shape with {word} not divisible by {n} was accepted")
         assert not tracer.events, f"tp.model: communicated before refusing a bad {word}: {tracer.summary()}"
-    # ... and the shape that does divide is accepted, and computes the single process's loss.
+    # ... and the shape that does divide is accepted, and computes the single process's loss,
+    # also over a group of 2 of the 4 ranks: every part of the model runs over the group given.
     x, y = tokens(0)
-    expected = GPT(config()).double()(x, y)[1]
+    ref = GPT(config()).double()
+    expected = ref(x, y)[1]
+    expected.backward()
     check("tp.model", "loss of a valid shape", tensor_parallel(GPT(config()).double())(x, y)[1].detach(),
           expected.detach())
+    group = tp_groups()[-1]
+    model = tensor_parallel(GPT(config()).double(), group.handle)
+    with CommTracer() as fwd:
+        loss = model(x, y)[1]
+    with CommTracer() as bwd:
+        loss.backward()
+    check("tp.model", f"loss{group}", loss.detach(), expected.detach())
+    forward, backward = step_signature(ref.config, group.ranks)
+    signature("tp.model", fwd, forward, f"forward{group} (1 + 2L all-reduces of B*T*H, then the loss's 3 of B*T)")
+    signature("tp.model", bwd, backward, f"backward{group} (1 + 2L all-reduces of B*T*H)")
+    with CommTracer() as gather:
+        grads = full_state_dict(model, group.handle, grads=True)
+    for name, p in ref.named_parameters():
+        check("tp.model", f"gradient of {name}{group}, gathered", grads[name], p.grad)
+    full_state_dict_signature(ref, True, gather, f"full_state_dict(grads=True){group}", group.ranks)
 
 
 @task("tp.model", points=2)

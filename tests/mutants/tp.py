@@ -23,6 +23,8 @@ MUTANTS = [
            find="        x = x.clone()\n        dist.all_reduce(x, group=group)\n        return x\n",
            replace="        from torch.distributed.nn.functional import all_reduce\n"
                    "        return all_reduce(x, group=group or dist.group.WORLD)\n"),
+    Mutant("tp.f_g", "f_ignores_group", "f's backward all-reduces over every rank, not over its group",
+           find="        dist.all_reduce(grad, group=ctx.group)\n", replace="        dist.all_reduce(grad)\n"),
     # tp.column
     Mutant("tp.column", "no_f", "skips f: every rank uses the whole input, but its gradient is never summed",
            find="        x = self.input_op(x, self.group)  # f: backward sums the input's gradient over ranks\n",
@@ -45,6 +47,9 @@ MUTANTS = [
            replace="        if not self.gather_output:\n            return y\n"
                    "        from torch.distributed.nn.functional import all_gather\n"
                    "        return torch.cat(all_gather(y, group=self.group or dist.group.WORLD), -1)\n"),
+    Mutant("tp.column", "f_without_group", "calls f without the layer's group: the input's gradient is summed over every rank",
+           find="        x = self.input_op(x, self.group)  # f: backward sums the input's gradient over ranks\n",
+           replace="        x = self.input_op(x)\n"),
     # tp.row
     Mutant("tp.row", "bias_on_every_rank", "adds the bias before the all-reduce: it is summed N times",
            find="        y = self.output_op(F.linear(x, self.weight), self.group)  # g: the partial products summed\n"
@@ -63,6 +68,9 @@ MUTANTS = [
            find="        y = self.output_op(F.linear(x, self.weight), self.group)  # g: the partial products summed\n",
            replace="        import torch.distributed.nn.functional as dist_nn\n"
                    "        y = dist_nn.all_reduce(F.linear(x, self.weight), group=self.group or dist.group.WORLD)\n"),
+    Mutant("tp.row", "g_without_group", "calls g without the layer's group: partial products summed over every rank",
+           find="        y = self.output_op(F.linear(x, self.weight), self.group)  # g: the partial products summed\n",
+           replace="        y = self.output_op(F.linear(x, self.weight))\n"),
     # tp.mlp
     Mutant("tp.mlp", "gathers_hidden",
            "gathers the hidden layer between c_fc and c_proj (an extra all-gather per block, and another "
@@ -85,6 +93,11 @@ MUTANTS = [
                    "        self.c_fc, self.c_proj = mlp.c_fc, mlp.c_proj\n"
                    "        mesh = DeviceMesh('cpu', dist.get_process_group_ranks(group or dist.group.WORLD))\n"
                    "        parallelize_module(self, mesh, {'c_fc': ColwiseParallel(), 'c_proj': RowwiseParallel()})\n"),
+    Mutant("tp.mlp", "layers_without_group", "builds c_fc and c_proj without the group: split over every rank",
+           find="        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group)\n"
+                "        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group)\n",
+           replace="        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc)\n"
+                   "        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj)\n"),
     # tp.attention
     Mutant("tp.attention", "contiguous_qkv",
            "splits c_attn in N contiguous row blocks (no parts=3): rank 0 gets Q and part of K, not its heads",
@@ -114,6 +127,12 @@ MUTANTS = [
                    "        self.c_attn, self.c_proj = attn.c_attn, attn.c_proj\n"
                    "        mesh = DeviceMesh('cpu', dist.get_process_group_ranks(group or dist.group.WORLD))\n"
                    "        parallelize_module(self, mesh, {'c_attn': ColwiseParallel(), 'c_proj': RowwiseParallel()})\n"),
+    Mutant("tp.attention", "layers_without_group",
+           "builds c_attn and c_proj without the group: the heads split over every rank",
+           find="        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, parts=3)\n"
+                "        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group)\n",
+           replace="        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, parts=3)\n"
+                   "        self.c_proj = RowParallelLinear.from_linear(attn.c_proj)\n"),
     # tp.vocab
     Mutant("tp.vocab", "embedding_mask_off_by_one",
            "masks ids <= vocab_start: the first token of every slice is looked up nowhere",
@@ -142,6 +161,9 @@ MUTANTS = [
            find="        return reduce_from_parallel(rows, self.group)\n",
            replace="        from torch.distributed.nn.functional import all_reduce\n"
                    "        return all_reduce(rows, group=self.group or dist.group.WORLD)\n"),
+    Mutant("tp.vocab", "loss_slice_of_the_world", "the loss finds its vocabulary slice from its rank in the world, not in the group",
+           find="        world, rank = degree_and_rank(group)\n        start = rank * logits.shape[-1]\n",
+           replace="        world, rank = degree_and_rank()\n        start = rank * logits.shape[-1]\n"),
     # tp.model
     Mutant("tp.model", "unties_head",
            "always gives the GPT a ColumnParallelLinear head: a tied table gets two copies",
@@ -163,6 +185,9 @@ MUTANTS = [
                    "        pieces = [torch.empty_like(tensor) for _ in range(world)]\n"
                    "        dist.all_gather(pieces, tensor.contiguous(), group=group)\n"
                    "        if layout is None:\n            full[key] = pieces[0].clone()\n            continue\n"),
+    Mutant("tp.model", "embedding_without_group", "tensor_parallel splits the embedding over every rank, not over the group",
+           find="    gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte, group)\n",
+           replace="    gpt.wte = VocabParallelEmbedding.from_embedding(gpt.wte)\n"),
     Mutant("tp.model", "builtin_parallelize_module", "parallelize_module over a device mesh in place of the blocks' rewrite",
            find="    for block in gpt.blocks:\n        block.attn = ParallelSelfAttention(block.attn, group)\n"
                 "        block.mlp = ParallelMLP(block.mlp, group)\n",
