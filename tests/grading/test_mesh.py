@@ -137,8 +137,8 @@ def layout_groups(dp: int, pp: int, tp: int, rank: int) -> dict[str, tuple[int, 
     fastest axis; ``rank``'s group along each axis is the line through it along that axis."""
     grid = torch.arange(dp * pp * tp).view(dp, pp, 1, tp)
     d, p, c, t = (int(i) for i in (grid == rank).nonzero()[0])
-    return dict(dp=tuple(grid[:, p, c, t].tolist()), pp=tuple(grid[d, :, c, t].tolist()),
-                tp=tuple(grid[d, p, c, :].tolist()))
+    return {"dp": tuple(grid[:, p, c, t].tolist()), "pp": tuple(grid[d, :, c, t].tolist()),
+            "tp": tuple(grid[d, p, c, :].tolist())}
 
 
 # Which parameters tensor parallelism splits (chapter 05) and along which dim; the rest

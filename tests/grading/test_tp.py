@@ -3,9 +3,10 @@
 Every check runs on every rank at tensor-parallel degrees 1-4, in float64, against the
 unsharded module in one process: outputs, input gradients, and the weight gradients
 gathered from every rank's slice; at world size 4 each is repeated over the pairs of ranks
-{0, 1} and {2, 3}, so that a part that ignores its group (and works over every rank) fails. The whole tensor-parallel GPT trains 5 AdamW steps next
-to the single-process GPT (tied and untied head), and next to the same GPT parallelised
-with PyTorch's ``parallelize_module``.
+{0, 1} and {2, 3}, so that a part that ignores its group (and works over every rank)
+fails. The whole tensor-parallel GPT trains 5 AdamW steps next to the single-process GPT
+(tied and untied head), and next to the same GPT parallelised with PyTorch's
+``parallelize_module``.
 
 The tracer certifies the technique: every forward and every backward is compared with the
 chapter's whole communication signature (``labkit.comm.assert_ops``: each op's kind,
@@ -256,7 +257,7 @@ def block_part_on_rank(kind: str):
     y_ref = ref(x_ref.detach()).detach()
     layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
     for group in tp_groups():
-        n, rank = group.n, group.rank
+        n = group.n
         block = GPT(config()).double().blocks[0]
         part = ParallelMLP(block.mlp, group.handle) if kind == "mlp" else ParallelSelfAttention(block.attn, group.handle)
         x = seeded(B, T, 48, seed=11, requires_grad=True)
