@@ -41,6 +41,13 @@ MUTANTS = [
     Mutant("tp.column", "gathers_always", "all-gathers the output even without gather_output",
            find="        return gather_from_parallel(y, self.group) if self.gather_output else y\n",
            replace="        return gather_from_parallel(y, self.group)\n"),
+    Mutant("tp.column", "gathers_along_batch",
+           "gathers the output pieces along the wrong dimension (the batch, dim 0) instead of the features",
+           find="        return gather_from_parallel(y, self.group) if self.gather_output else y\n",
+           replace="        if not self.gather_output:\n            return y\n"
+                   "        pieces = [torch.empty_like(y) for _ in range(dist.get_world_size(self.group))]\n"
+                   "        dist.all_gather(pieces, y.contiguous(), group=self.group)\n"
+                   "        return torch.cat(pieces, dim=0)\n"),
     Mutant("tp.column", "builtin_all_gather",
            "gathers the output with torch.distributed.nn's autograd-aware all_gather",
            find="        return gather_from_parallel(y, self.group) if self.gather_output else y\n",
