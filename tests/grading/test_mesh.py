@@ -1,7 +1,14 @@
 """Graded tests for chapter 08: hybrid parallelism on a rank mesh (labkit/mesh.py).
 
-Groups: every rank's group along every axis equals the one ``init_device_mesh`` makes for
-the same (dp, pp, cp, tp) shape and names. Numbers: for the layouts (dp, tp, pp) in
+Groups: every rank's coordinates and group along every axis (for every rank, in every
+launch) equal the ones ``init_device_mesh`` lays out for the same (dp, pp, cp, tp) shape and
+names, TP the fastest axis, then CP, PP, DP; so do the process groups ``make_groups`` makes;
+a few more uneven shapes are checked against the same layout without communication.
+Communication: the first training step of every layout is traced on every rank and compared
+with the whole signature the layout implies (``labkit.comm.assert_ops``; groups from the
+layout, bytes from the model's shapes): TP all-reduces on the tp group, FSDP all-gathers and
+reduce-scatters per unit on the dp group (2-D), 1F1B sends and receives to the neighbouring
+stage's rank and the gradient average on the dp group (3-D), and nothing else. Numbers: for the layouts (dp, tp, pp) in
 {(1,1,1), (2,2,1), (2,1,2), (1,2,2), (2,2,2)}, at world sizes up to 8, the loss curve over
 5 AdamW steps in float64 equals the single-process GPT on the global batch, on every rank;
 the learner's 2-D training (their FSDP over dp, their TP over tp) gives the same losses as
@@ -10,6 +17,9 @@ Memory: the parameter, gradient and optimizer bytes measured on every rank (labk
 equal ``mesh.parameters_on_rank``'s prediction exactly (float64, AdamW: 2 moments per element
 and a 4-byte step counter per tensor).
 """
+
+import contextlib
+import math
 
 import pytest
 import torch
@@ -52,6 +62,32 @@ def reference_losses(tie: bool) -> list[float]:
 # ----------------------------------------------------------------------------- the grid
 
 
+# Shapes (dp, pp, cp, tp) checked in every launch without communication, against
+# init_device_mesh's layout (torch.arange(world).view(shape)): uneven degrees, so that no
+# two axes can be swapped unnoticed.
+MORE_SHAPES = [(2, 1, 2, 1), (3, 2, 1, 2), (2, 3, 2, 1), (1, 2, 3, 2), (2, 2, 2, 3), (5, 1, 1, 1)]
+
+
+def check_layout_of(grid, ranks: torch.Tensor, where: str) -> None:
+    """Every rank's coordinates, ``rank_of`` and group along every axis, against ``ranks``
+    (the mesh's rank array, shape (dp, pp, cp, tp))."""
+    from labkit.mesh import AXES
+    for rank in range(ranks.numel()):
+        position = tuple(int(i) for i in (ranks == rank).nonzero()[0])
+        coords = dict(zip(AXES, position))
+        assert grid.coords(rank) == coords, \
+            f"mesh.grid: {grid}{where}: coords({rank}) = {grid.coords(rank)}; init_device_mesh puts rank {rank} at {coords}"
+        assert grid.rank_of(coords) == rank, \
+            f"mesh.grid: {grid}{where}: rank_of({coords}) = {grid.rank_of(coords)}; expected {rank}"
+        for i, axis in enumerate(AXES):
+            line = list(position)
+            line[i] = slice(None)
+            expected = ranks[tuple(line)].tolist()
+            assert grid.axis_ranks(axis, rank) == expected, \
+                (f"mesh.grid: {grid}{where}: axis_ranks({axis!r}, {rank}) = {grid.axis_ranks(axis, rank)}; "
+                 f"init_device_mesh's {axis} group of rank {rank} is {expected} (TP fastest, then CP, PP, DP)")
+
+
 def grid_on_rank(shape):
     from torch.distributed.device_mesh import init_device_mesh
     from labkit.mesh import AXES, RankGrid
@@ -59,13 +95,15 @@ def grid_on_rank(shape):
     degrees = dict(zip(AXES, shape))
     grid = RankGrid(dist.get_world_size(), **degrees).make_groups()
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=AXES)
-    coords = dict(zip(AXES, mesh.get_coordinate()))
-    assert grid.coords(rank) == coords, f"mesh.grid: {grid}: rank {rank} at {grid.coords(rank)}; init_device_mesh puts it at {coords}"
+    check_layout_of(grid, mesh.mesh, "")  # every rank and every axis, as init_device_mesh lays them out
     for axis in AXES:
         ours = dist.get_process_group_ranks(grid.group(axis))
         theirs = dist.get_process_group_ranks(mesh.get_group(axis))
         assert ours == theirs, f"mesh.grid: {grid}: rank {rank}'s {axis} group is {ours}; init_device_mesh's is {theirs}"
-        assert grid.axis_ranks(axis, rank) == theirs, f"mesh.grid: axis_ranks({axis!r}, {rank}) = {grid.axis_ranks(axis, rank)}; expected {theirs}"
+    for other in MORE_SHAPES:  # no groups: coordinates only
+        world = math.prod(other)
+        check_layout_of(RankGrid(world, **dict(zip(AXES, other))), torch.arange(world).view(other),
+                        f" (world {world})")
 
 
 @task("mesh.grid", points=2)
@@ -83,6 +121,8 @@ def test_degrees_that_do_not_multiply_to_the_world_are_refused():
         RankGrid(8, dp=2, tp=2)
     with pytest.raises(ValueError, match="tp"):
         RankGrid(4, dp=4, tp=0)
+    with pytest.raises(ValueError, match="dp"):
+        RankGrid(4, dp=-2, pp=-2)  # multiplies to the world, but a degree is at least 1
     grid = RankGrid(8, dp=2, pp=2, tp=2)
     assert [grid.rank_of(grid.coords(r)) for r in range(8)] == list(range(8)), "mesh.grid: rank_of(coords(r)) != r"
     assert grid.axis_ranks("tp", 5) == [4, 5] and grid.axis_ranks("dp", 5) == [1, 5] and grid.axis_ranks("pp", 5) == [5, 7], \
@@ -92,19 +132,141 @@ def test_degrees_that_do_not_multiply_to_the_world_are_refused():
 # ----------------------------------------------------------------------------- training
 
 
+def layout_groups(dp: int, pp: int, tp: int, rank: int) -> dict[str, tuple[int, ...]]:
+    """The chapter's layout from first principles: ranks as a (dp, pp, cp, tp) array, TP the
+    fastest axis; ``rank``'s group along each axis is the line through it along that axis."""
+    grid = torch.arange(dp * pp * tp).view(dp, pp, 1, tp)
+    d, p, c, t = (int(i) for i in (grid == rank).nonzero()[0])
+    return {"dp": tuple(grid[:, p, c, t].tolist()), "pp": tuple(grid[d, :, c, t].tolist()),
+            "tp": tuple(grid[d, p, c, :].tolist())}
+
+
+# Which parameters tensor parallelism splits (chapter 05) and along which dim; the rest
+# (LayerNorms, wpe, the c_proj biases) stays whole on every TP rank.
+TP_SPLIT = {"wte.weight": 0, "lm_head.weight": 0, "attn.c_attn.weight": 0, "attn.c_attn.bias": 0,
+            "attn.c_proj.weight": 1, "mlp.c_fc.weight": 0, "mlp.c_fc.bias": 0, "mlp.c_proj.weight": 1}
+
+
+def tp_shapes(tie: bool, tp: int) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the GPT (a tied head once) with the shape one TP rank keeps."""
+    from labkit.models import GPT
+    shapes = {}
+    for name, p in GPT(config(tie)).named_parameters():
+        shape = list(p.shape)
+        dim = next((d for suffix, d in TP_SPLIT.items() if name.endswith(suffix)), None)
+        if dim is not None:
+            shape[dim] //= tp
+        shapes[name] = tuple(shape)
+    return shapes
+
+
+def training_signature(dp: int, tp: int, pp: int, rank: int) -> list:
+    """Every op one rank issues in the set-up and first step of ``train_2d`` (pp = 1: FSDP
+    over dp x TP) or ``train_3d`` (1F1B over pp x TP, gradients averaged over dp), on the
+    groups of the layout (the set-up communicates nothing).
+
+    Per step, with b = GLOBAL_BATCH / dp samples per replica, H hidden, 8 bytes a number:
+    TP (tp group), per (micro-)batch of n samples: forward the embedding's all-reduce and 2
+    per block of n*T*H, the loss's 3 of n*T; backward the head's 1 and 2 per block of n*T*H.
+    FSDP (dp group), per unit (each block, then the root): all-gather forward, all-gather
+    and reduce-scatter backward, each dp x (its parameters, every tensor padded to
+    ceil(rows / dp) rows). Pipeline (m = 2 micro-batches of b/2): each micro-batch's
+    activation sent to the next stage and its gradient back, [b/2, T, H]; then the DP
+    average: one all-reduce of a flag per parameter + 1, one per parameter gradient. The
+    reported loss: broadcast from the last stage over pp, all-reduced over dp (8 bytes)."""
+    from labkit.comm import Op
+    c = config(pp == 1)
+    T, H, L, m = c.block_size, c.n_embd, c.n_layer, 2
+    groups = layout_groups(dp, pp, tp, rank)
+    f8 = torch.float64.itemsize
+    shapes = tp_shapes(pp == 1, tp)
+
+    def tp_ops(n, blocks, first, last):
+        forward = [Op("all_reduce", n * T * H * f8, groups["tp"])] * (first + 2 * blocks)
+        forward += [Op("all_reduce", n * T * f8, groups["tp"])] * (3 * last)
+        return forward + [Op("all_reduce", n * T * H * f8, groups["tp"])] * (2 * blocks + last)
+
+    step = [Op("all_reduce", f8, groups["dp"])]  # the reported loss, averaged over replicas
+    b = GLOBAL_BATCH // dp
+    if pp == 1:
+        step += tp_ops(b, L, True, True)
+        units = [[n for n in shapes if n.startswith(f"blocks.{i}.")] for i in range(L)]
+        units.append([n for n in shapes if not n.startswith("blocks.")])  # the root: wte, wpe, ln_f
+        for names in units:
+            gathered = dp * sum(-(-s[0] // dp) * math.prod(s[1:]) for s in (shapes[n] for n in names)) * f8
+            step += [Op("all_gather", gathered, groups["dp"])] * 2 + [Op("reduce_scatter", gathered, groups["dp"])]
+        return step
+    stage = groups["pp"].index(rank)
+    first, last = stage == 0, stage == pp - 1
+    blocks = [i for i in range(L) if i * pp // L == stage]  # contiguous, balanced by layers (L % pp == 0 here)
+    mb = b // m
+    message = mb * T * H * f8
+    for i in range(m):
+        step += tp_ops(mb, len(blocks), first, last)
+        if not first:  # the activation in, its gradient out
+            step += [Op("recv", message, peer=groups["pp"][stage - 1]), Op("send", message, peer=groups["pp"][stage - 1])]
+        if not last:  # the activation out, its gradient in
+            step += [Op("send", message, peer=groups["pp"][stage + 1]), Op("recv", message, peer=groups["pp"][stage + 1])]
+    names = [n for n in shapes if any(n.startswith(f"blocks.{i}.") for i in blocks)]
+    names += [n for n in shapes if n.startswith(("wte.", "wpe."))] if first else []
+    names += [n for n in shapes if n.startswith(("ln_f.", "lm_head."))] if last else []
+    step += [Op("all_reduce", (len(names) + 1) * f8, groups["dp"])]  # which parameters have a gradient
+    step += [Op("all_reduce", math.prod(shapes[n]) * f8, groups["dp"]) for n in names]
+    step += [Op("broadcast", f8, groups["pp"])]
+    return step
+
+
+@contextlib.contextmanager
+def first_step_traced():
+    """A ``CommTracer`` over the set-up and the first step of ``train_2d``/``train_3d`` only
+    (tracing routes every tensor op through Python: all 5 steps would double a launch). The
+    given ``labkit.mesh._global_loss`` ends every step; the tracer is left when it first returns."""
+    from labkit import mesh
+    from labkit.comm import CommTracer
+    tracer, original, active = CommTracer(), mesh._global_loss, [True]
+
+    def stop():
+        if active[0]:
+            active[0] = False
+            tracer.__exit__(None, None, None)
+
+    def end_of_step(*args, **kwargs):
+        value = original(*args, **kwargs)
+        stop()
+        return value
+
+    mesh._global_loss = end_of_step
+    tracer.__enter__()
+    try:
+        yield tracer
+    finally:
+        stop()
+        mesh._global_loss = original
+
+
 def train_on_rank(dp: int, tp: int, pp: int):
+    from labkit.comm import assert_ops
     from labkit.mesh import Layout, ModelShape, RankGrid, parameters_on_rank, train_2d, train_3d
     torch.set_num_threads(1)
+    rank = dist.get_rank()
     grid = RankGrid(dist.get_world_size(), dp=dp, tp=tp, pp=pp).make_groups()
     x, y = batches()
     tie = pp == 1
-    if pp == 1:
-        trained = train_2d(config(tie), grid, x, y, STEPS)
-        layout = Layout(dp=dp, tp=tp, pp=1, zero=3)
-    else:
-        trained = train_3d(config(tie), grid, x, y, STEPS, microbatches=2)
-        layout = Layout(dp=dp, tp=tp, pp=pp, zero=0)
-    stage = grid.coords(dist.get_rank())["pp"]
+    with first_step_traced() as tracer:
+        if pp == 1:
+            trained = train_2d(config(tie), grid, x, y, STEPS)
+        else:
+            trained = train_3d(config(tie), grid, x, y, STEPS, microbatches=2)
+    task_id = "mesh.train_2d" if pp == 1 else "mesh.train_3d"
+    # Ops on a one-rank group (dp = 1 or tp = 1) carry no communication: left out on both sides.
+    assert_ops([e for e in tracer.events if len(e.group) > 1],
+               [op for op in training_signature(dp, tp, pp, rank) if len(op[2]) > 1],
+               f"{task_id}: dp={dp}, tp={tp}, pp={pp}, rank {rank}: set-up and first training step (TP on the tp group "
+               f"{layout_groups(dp, pp, tp, rank)['tp']}, " + ("FSDP" if pp == 1 else "the gradient average")
+               + f" on the dp group {layout_groups(dp, pp, tp, rank)['dp']}"
+               + ("" if pp == 1 else f", pipeline messages along {layout_groups(dp, pp, tp, rank)['pp']}") + ")")
+    layout = Layout(dp=dp, tp=tp, pp=pp, zero=3 if pp == 1 else 0)
+    stage = grid.coords(rank)["pp"]
     plan = parameters_on_rank(ModelShape.of(config(tie)), layout, stage)
     return trained, plan
 
@@ -185,14 +347,18 @@ def test_plan_counts_what_a_layout_leaves_on_a_rank():
     whole = parameters_on_rank(shape, Layout())
     h = 8
     total = 4 * (12 * h * h + 13 * h) + 10 * h + 6 * h + 2 * h  # blocks, wte (tied head), wpe, ln_f
-    assert whole == dict(params=total, grads=total, optimizer=2 * total, tensors=4 * 12 + 4), whole
+    expected = dict(params=total, grads=total, optimizer=2 * total, tensors=4 * 12 + 4)
+    assert whole == expected, f"mesh.plan: one rank of the unsplit model keeps {whole}; expected {expected}"
     tp2 = parameters_on_rank(shape, Layout(tp=2))
     split = 4 * (3 * h * h + 3 * h + h * h + 4 * h * h + 4 * h + 4 * h * h) + 10 * h
     assert tp2["params"] == total - split // 2, f"mesh.plan: TP=2 keeps {tp2['params']}; expected {total - split // 2}"
+    zero2 = parameters_on_rank(shape, Layout(dp=3, zero=2))  # this course's ZeRO-1/2 keep the parameters whole
+    assert zero2 == whole, f"mesh.plan: ZeRO-2 over 3 leaves the parameters whole; got {zero2}, expected {whole}"
     fsdp3 = parameters_on_rank(shape, Layout(dp=3, zero=3))  # rows padded to ceil(rows / 3)
     padded = 4 * (2 * 3 + 8 * 8 + 8 + 3 * 8 + 3 + 2 * 3 + 11 * 8 + 11 + 3 * 32 + 3) + 4 * 8 + 2 * 8 + 2 * 3
     assert fsdp3["params"] == padded, f"mesh.plan: ZeRO-3 over 3 keeps {fsdp3['params']}; expected {padded}"
     last = parameters_on_rank(shape, Layout(pp=2), stage=1)
-    assert last["params"] == 2 * (12 * h * h + 13 * h) + 2 * h + 10 * h, f"mesh.plan: last of 2 stages: {last}"
+    assert last["params"] == 2 * (12 * h * h + 13 * h) + 2 * h + 10 * h, f"mesh.plan: the last of 2 stages keeps {last}"
     memory = memory_per_gpu(shape, Layout(dp=4, zero=1), bytes_per_element=2, master_bytes=4)
-    assert memory["optimizer"] == (2 * total * 4 + total * 4) / 4 and memory["params"] == 2 * total, memory
+    assert memory["optimizer"] == (2 * total * 4 + total * 4) / 4 and memory["params"] == 2 * total, \
+        f"mesh.plan: ZeRO-1 over 4, 16-bit weights with fp32 moments and master: memory_per_gpu gives {memory}"

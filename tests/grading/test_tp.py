@@ -2,13 +2,26 @@
 
 Every check runs on every rank at tensor-parallel degrees 1-4, in float64, against the
 unsharded module in one process: outputs, input gradients, and the weight gradients
-gathered from every rank's slice. The whole tensor-parallel GPT trains 5 AdamW steps next
-to the single-process GPT (tied and untied head), and next to the same GPT parallelised
-with PyTorch's ``parallelize_module``. The tracer checks the behaviour: f and g
-communicate in the right direction only, each transformer block issues exactly 2
-all-reduces of B·T·H numbers forward and 2 backward, and the vocabulary-parallel loss
-sends B·T numbers per reduction, never the B·T·V logits. The GPT's shape divides by 3 and 4.
+gathered from every rank's slice; at world size 4 each is repeated over the pairs of ranks
+{0, 1} and {2, 3}, so that a part that ignores its group (and works over every rank)
+fails. The whole tensor-parallel GPT trains 5 AdamW steps next to the single-process GPT
+(tied and untied head), and next to the same GPT parallelised with PyTorch's
+``parallelize_module``.
+
+The tracer certifies the technique: every forward and every backward is compared with the
+chapter's whole communication signature (``labkit.comm.assert_ops``: each op's kind,
+count, group and bytes, and nothing else), derived here from the shapes (numel x 8 bytes):
+f is silent forward and all-reduces the input's gradient backward, g the mirror image; a
+column layer all-gathers its output only with gather_output, a row layer all-reduces its
+partial products (and all-gathers the input's gradient only when it took its own slice of
+a whole input); an MLP or attention block issues exactly one all-reduce of B*T*H numbers
+forward (g) and one backward (f), nothing in between; the vocabulary-parallel embedding
+one all-reduce forward, the loss three of B*T numbers and never the B*T*V logits; the GPT
+1 + 2L forward (+ the loss's 3) and 1 + 2L backward; ``full_state_dict`` one all-gather
+per split tensor, nothing for the replicated ones. The GPT's shape divides by 3 and 4.
 """
+
+import math
 
 import pytest
 import torch
@@ -17,12 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
 B, T = 3, 8
 STEPS = 5
+DTYPE = torch.float64  # every tensor of these tests
 
 
 def config(**changes):
@@ -38,14 +52,37 @@ def setup():
 
 def seeded(*shape, seed, requires_grad=False):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(requires_grad)
+    return torch.randn(*shape, generator=gen, dtype=DTYPE).requires_grad_(requires_grad)
 
 
-def gathered(local: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+class Group:
+    """A tensor-parallel group a check runs over: its handle (None: the world) and its ranks."""
+
+    def __init__(self, handle, ranks):
+        self.handle, self.ranks = handle, tuple(ranks)
+        self.n, self.rank = len(self.ranks), self.ranks.index(dist.get_rank())
+
+    def __str__(self):
+        return "" if self.handle is None else f" (TP over the group {self.ranks})"
+
+
+def tp_groups() -> list[Group]:
+    """The groups each check runs over: the world, and at world size 4 also the pairs {0, 1}
+    and {2, 3}: a layer must run over the group it was given, not over every rank."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    groups = [Group(None, range(n))]
+    if n == 4:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+        groups.append(Group(pairs[rank // 2], (rank - rank % 2, rank - rank % 2 + 1)))
+    return groups
+
+
+def gathered(local: torch.Tensor, dim: int, parts: int = 1, group: Group | None = None) -> torch.Tensor:
     """The full tensor from every rank's slice (test-side: does not use the learner's code)."""
     from labkit.tp import unshard
-    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(pieces, local.detach().contiguous())
+    group = group or Group(None, range(dist.get_world_size()))
+    pieces = [torch.empty_like(local) for _ in range(group.n)]
+    dist.all_gather(pieces, local.detach().contiguous(), group=group.handle)
     return unshard(pieces, dim, parts)
 
 
@@ -53,38 +90,54 @@ def check(task_id, what, actual, expected):
     assert_close(actual, expected, f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
 
 
-def all_reduces(tracer, backward: bool) -> list[int]:
-    """Elements per all-reduce issued in forward (or backward), in order."""
-    return [e.bytes // 8 for e in tracer.events if e.kind == "all_reduce" and e.in_backward == backward]
+def nbytes(*shape) -> int:
+    """Bytes of a float64 tensor of ``shape``: what one op of the signature moves."""
+    return math.prod(shape) * DTYPE.itemsize
+
+
+def signature(task_id, tracer, expected, what):
+    """The whole traced communication of ``what`` is ``expected`` (a list of ``Op``, each on
+    its group). Ops on a one-rank group carry no communication and are left out on both
+    sides (world size 1 may skip them)."""
+    events = [e for e in tracer.events if len(e.group) > 1]
+    assert_ops(events, [op for op in expected if len(op[2]) > 1],
+               f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
 
 
 # ----------------------------------------------------------------------------- f and g
 
 
 def f_g_on_rank():
+    setup()
+    for group in tp_groups():
+        f_g_over(group)
+
+
+def f_g_over(group: Group):
     from labkit.tp import copy_to_parallel, reduce_from_parallel
-    n, rank = setup()
+    n, rank = group.n, group.rank
     x = seeded(B, T, 6, seed=1, requires_grad=True)
-    upstream = [seeded(B, T, 6, seed=10 + r) for r in range(n)]
+    upstream = [seeded(B, T, 6, seed=10 + group.ranks[r]) for r in range(n)]
+    grad = Op("all_reduce", nbytes(B, T, 6), group.ranks)  # one all-reduce (sum) of the whole [B, T, 6] tensor
     with CommTracer() as fwd:
-        y = copy_to_parallel(x)
-    check("tp.f_g", "f forward is the identity", y, x.detach())
+        y = copy_to_parallel(x, group.handle)
+    check("tp.f_g", f"f forward is the identity{group}", y, x.detach())
+    signature("tp.f_g", fwd, [], f"f forward{group} (the identity: no communication)")
     with CommTracer() as bwd:
         y.backward(upstream[rank])
-    check("tp.f_g", "f backward sums the ranks' gradients", x.grad, sum(upstream))
-    assert not fwd.events and len(all_reduces(bwd, True)) == 1, \
-        f"tp.f_g: f must communicate only in backward (one all-reduce); traced {fwd.summary()} / {bwd.summary()}"
+    check("tp.f_g", f"f backward sums the group's gradients{group}", x.grad, sum(upstream))
+    signature("tp.f_g", bwd, [grad], f"f backward{group} (one all-reduce of the gradient over the group)")
 
-    parts = [seeded(B, T, 6, seed=20 + r) for r in range(n)]
+    parts = [seeded(B, T, 6, seed=20 + group.ranks[r]) for r in range(n)]
     mine = parts[rank].clone().requires_grad_()
     with CommTracer() as fwd:
-        z = reduce_from_parallel(mine)
-    check("tp.f_g", "g forward sums the ranks' partial results", z, sum(parts))
+        z = reduce_from_parallel(mine, group.handle)
+    check("tp.f_g", f"g forward sums the group's partial results{group}", z, sum(parts))
+    signature("tp.f_g", fwd, [grad], f"g forward{group} (one all-reduce of the partial results over the group)")
     with CommTracer() as bwd:
-        z.backward(upstream[0])
-    check("tp.f_g", "g backward is the identity", mine.grad, upstream[0])
-    assert len(all_reduces(fwd, False)) == 1 and not all_reduces(bwd, True), \
-        f"tp.f_g: g must all-reduce once in forward and never in backward; traced {fwd.summary()} / {bwd.summary()}"
+        z.backward(upstream[0])  # the same on every rank, as after a g: averaging it changes nothing
+    check("tp.f_g", f"g backward is the identity{group}", mine.grad, upstream[0])
+    signature("tp.f_g", bwd, [], f"g backward{group} (the identity: no communication)")
 
 
 @task("tp.f_g", points=1)
@@ -98,7 +151,7 @@ def test_f_and_g(world_size):
 
 def column_on_rank():
     from labkit.tp import ColumnParallelLinear
-    n, rank = setup()
+    setup()
     full = nn.Linear(12, 24).double()
     with torch.no_grad():
         full.weight.copy_(seeded(24, 12, seed=2))
@@ -107,25 +160,39 @@ def column_on_rank():
     weights = seeded(B, T, 24, seed=5)  # loss = sum(y * weights): every output counts
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for gather_output in (False, True):
-        layer = ColumnParallelLinear.from_linear(full, gather_output=gather_output)
-        x.grad = None
-        y = layer(x)
-        what = f"gather_output={gather_output}"
-        if gather_output:
-            check("tp.column", f"{what}: output", y, y_ref.detach())
-            (y * weights).sum().backward()
-        else:
-            check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
-            (y * weights.chunk(n, -1)[rank]).sum().backward()
-        check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
-        check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0), full.weight.grad)
-        check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0), full.bias.grad)
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        for gather_output in (False, True):
+            layer = ColumnParallelLinear.from_linear(full, group.handle, gather_output=gather_output)
+            x.grad = None
+            with CommTracer() as fwd:
+                y = layer(x)
+            what = f"gather_output={gather_output}{group}"
+            if gather_output:
+                check("tp.column", f"{what}: output", y, y_ref.detach())
+                loss = (y * weights).sum()
+            else:
+                check("tp.column", f"{what}: this rank's output columns", y, y_ref.detach().chunk(n, -1)[rank])
+                loss = (y * weights.chunk(n, -1)[rank]).sum()
+            # forward: no communication, or with gather_output the all-gather of the [B, T, 24]
+            # output; backward: f's all-reduce of the input's gradient [B, T, 12], nothing else.
+            signature("tp.column", fwd, [Op("all_gather", nbytes(B, T, 24), group.ranks)] if gather_output else [],
+                      f"{what}: forward" + (" (one all-gather of the output over the group)" if gather_output else
+                                            " (the input is whole on every rank: no communication)"))
+            with CommTracer() as bwd:
+                loss.backward()
+            check("tp.column", f"{what}: input gradient", x.grad, x_ref.grad)
+            signature("tp.column", bwd, [Op("all_reduce", nbytes(B, T, 12), group.ranks)],
+                      f"{what}: backward (f: one all-reduce of the input's gradient over the group)")
+            check("tp.column", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 0, group=group),
+                  full.weight.grad)
+            check("tp.column", f"{what}: bias gradient, gathered", gathered(layer.bias.grad, 0, group=group),
+                  full.bias.grad)
 
 
 def row_on_rank():
     from labkit.tp import RowParallelLinear
-    n, rank = setup()
+    setup()
     full = nn.Linear(24, 12).double()
     with torch.no_grad():
         full.weight.copy_(seeded(12, 24, seed=6))
@@ -134,18 +201,31 @@ def row_on_rank():
     weights = seeded(B, T, 12, seed=9)
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for input_is_parallel in (True, False):
-        layer = RowParallelLinear.from_linear(full, input_is_parallel=input_is_parallel)
-        x = seeded(B, T, 24, seed=8)
-        x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
-        y = layer(x)
-        what = f"input_is_parallel={input_is_parallel}"
-        check("tp.row", f"{what}: output", y, y_ref.detach())
-        (y * weights).sum().backward()
-        expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
-        check("tp.row", f"{what}: input gradient", x.grad, expected)
-        check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1), full.weight.grad)
-        check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        for input_is_parallel in (True, False):
+            layer = RowParallelLinear.from_linear(full, group.handle, input_is_parallel=input_is_parallel)
+            x = seeded(B, T, 24, seed=8)
+            x = (x.chunk(n, -1)[rank].clone() if input_is_parallel else x).requires_grad_()
+            with CommTracer() as fwd:
+                y = layer(x)
+            what = f"input_is_parallel={input_is_parallel}{group}"
+            check("tp.row", f"{what}: output", y, y_ref.detach())
+            # forward: g's all-reduce of the partial products [B, T, 12] (taking a slice of a
+            # whole input costs nothing); backward: nothing, or, for a whole input, the
+            # all-gather of its gradient [B, T, 24].
+            signature("tp.row", fwd, [Op("all_reduce", nbytes(B, T, 12), group.ranks)],
+                      f"{what}: forward (g: one all-reduce of the partial products over the group)")
+            with CommTracer() as bwd:
+                (y * weights).sum().backward()
+            expected = x_ref.grad.chunk(n, -1)[rank] if input_is_parallel else x_ref.grad
+            check("tp.row", f"{what}: input gradient", x.grad, expected)
+            signature("tp.row", bwd, [] if input_is_parallel else [Op("all_gather", nbytes(B, T, 24), group.ranks)],
+                      f"{what}: backward" + (" (g's backward is the identity: no communication)" if input_is_parallel
+                                             else " (one all-gather of the input's gradient over the group)"))
+            check("tp.row", f"{what}: weight gradient, gathered", gathered(layer.weight.grad, 1, group=group),
+                  full.weight.grad)
+            check("tp.row", f"{what}: bias gradient (replicated)", layer.bias.grad, full.bias.grad)
 
 
 @task("tp.column", points=1)
@@ -167,36 +247,47 @@ def block_part_on_rank(kind: str):
     """MLP or attention of the GPT, parallel vs whole: outputs, gradients, traffic."""
     from labkit.models import GPT
     from labkit.tp import ParallelMLP, ParallelSelfAttention
-    n, rank = setup()
+    setup()
     task_id = f"tp.{kind}"
-    ref_block, block = GPT(config()).double().blocks[0], GPT(config()).double().blocks[0]
+    ref_block = GPT(config()).double().blocks[0]
     ref = ref_block.mlp if kind == "mlp" else ref_block.attn
-    part = ParallelMLP(block.mlp) if kind == "mlp" else ParallelSelfAttention(block.attn)
-    x_ref, x = seeded(B, T, 48, seed=11, requires_grad=True), seeded(B, T, 48, seed=11, requires_grad=True)
+    x_ref = seeded(B, T, 48, seed=11, requires_grad=True)
     weights = seeded(B, T, 48, seed=12)
     (ref(x_ref) * weights).sum().backward()
-    with CommTracer() as fwd:
-        y = part(x)
-    check(task_id, "output", y, ref(x_ref.detach()).detach())
-    with CommTracer() as bwd:
-        (y * weights).sum().backward()
-    check(task_id, "input gradient", x.grad, x_ref.grad)
+    y_ref = ref(x_ref.detach()).detach()
     layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
-    for name in layers:
-        mine, theirs = getattr(part, name), getattr(ref, name)
-        dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
-        check(task_id, f"{name}.weight gradient, gathered", gathered(mine.weight.grad, dim, parts), theirs.weight.grad)
-        bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts)
-        check(task_id, f"{name}.bias gradient", bias, theirs.bias.grad)
-    if n > 1:
-        bth = B * T * 48
-        assert all_reduces(fwd, False) == [bth] and all_reduces(bwd, True) == [bth], \
-            (f"{task_id}: expected one all-reduce of B*T*H = {bth} numbers in forward (g) and one in "
-             f"backward (f); traced forward {all_reduces(fwd, False)}, backward {all_reduces(bwd, True)}")
-    unsharded = sum(p.numel() for p in ref.parameters())
-    replicated = ref.c_proj.bias.numel()
-    assert sum(p.numel() for p in part.parameters()) == (unsharded - replicated) // n + replicated, \
-        f"{task_id}: rank {rank} holds {sum(p.numel() for p in part.parameters())} parameters; expected 1/{n} of the split ones"
+    for group in tp_groups():
+        n = group.n
+        block = GPT(config()).double().blocks[0]
+        part = ParallelMLP(block.mlp, group.handle) if kind == "mlp" else ParallelSelfAttention(block.attn, group.handle)
+        x = seeded(B, T, 48, seed=11, requires_grad=True)
+        what = ("MLP" if kind == "mlp" else "attention") + str(group)
+        # One all-reduce of the block's [B, T, H] output forward (g) and one of its input's
+        # gradient backward (f), over the group; nothing between the two layers, and no
+        # gathering of heads.
+        with CommTracer() as fwd:
+            y = part(x)
+        check(task_id, f"{what}: output", y, y_ref)
+        signature(task_id, fwd, [Op("all_reduce", nbytes(B, T, 48), group.ranks)],
+                  f"{what}: forward (exactly one all-reduce of B*T*H, g after c_proj; nothing between "
+                  f"{layers[0]} and c_proj)")
+        with CommTracer() as bwd:
+            (y * weights).sum().backward()
+        check(task_id, f"{what}: input gradient", x.grad, x_ref.grad)
+        signature(task_id, bwd, [Op("all_reduce", nbytes(B, T, 48), group.ranks)],
+                  f"{what}: backward (exactly one all-reduce of B*T*H, f before {layers[0]})")
+        for name in layers:
+            mine, theirs = getattr(part, name), getattr(ref, name)
+            dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
+            check(task_id, f"{what}: {name}.weight gradient, gathered",
+                  gathered(mine.weight.grad, dim, parts, group), theirs.weight.grad)
+            bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts, group)
+            check(task_id, f"{what}: {name}.bias gradient", bias, theirs.bias.grad)
+        unsharded = sum(p.numel() for p in ref.parameters())
+        replicated = ref.c_proj.bias.numel()
+        held = sum(p.numel() for p in part.parameters())
+        assert held == (unsharded - replicated) // n + replicated, \
+            f"{task_id}: rank {dist.get_rank()}: {what}: holds {held} parameters; expected 1/{n} of the split ones"
 
 
 @task("tp.mlp", points=1)
@@ -214,36 +305,58 @@ def test_parallel_attention(world_size):
 # ----------------------------------------------------------------------------- vocabulary
 
 
+def boundary_tokens(V: int, count: int, seed: int) -> torch.Tensor:
+    """[B, T] token ids that hold, at every degree 1-4, the first and last token of every
+    rank's slice of the vocabulary (where an off-by-one mask goes wrong), then random ones."""
+    edges = sorted({k * V // n + d for n in WORLD_SIZES for k in range(n + 1) for d in (-1, 0)} & set(range(V)))
+    rest = torch.randint(0, V, (count - len(edges),), generator=torch.Generator().manual_seed(seed))
+    return torch.cat([torch.tensor(edges), rest])[torch.randperm(count, generator=torch.Generator().manual_seed(seed))]
+
+
 def vocab_on_rank():
     from labkit.tp import VocabParallelEmbedding, vocab_parallel_cross_entropy
-    n, rank = setup()
+    setup()
     V = 48
     table = nn.Embedding(V, 16).double()
     with torch.no_grad():
         table.weight.copy_(seeded(V, 16, seed=13))
-    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(14))
-    emb = VocabParallelEmbedding.from_embedding(table)
+    idx = boundary_tokens(V, B * T, seed=14).view(B, T)
     weights = seeded(B, T, 16, seed=15)
-    check("tp.vocab", "embedding lookup", emb(idx), table(idx).detach())
-    (emb(idx) * weights).sum().backward()
-    (table(idx) * weights).sum().backward()
-    check("tp.vocab", "embedding weight gradient, gathered", gathered(emb.weight.grad, 0), table.weight.grad)
-
-    logits_ref = seeded(B, T, V, seed=16, requires_grad=True)
-    local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
-    targets = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(17))
+    rows_ref = table(idx)
+    (rows_ref * weights).sum().backward()
+    # Logits around 1000: exp() overflows unless the global max is subtracted first.
+    logits_ref = (seeded(B, T, V, seed=16) + 1000).requires_grad_()
+    targets = boundary_tokens(V, B * T, seed=17).view(B, T)
     expected = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     expected.backward()
-    with CommTracer() as tracer:
-        loss = vocab_parallel_cross_entropy(local, targets)
-        loss.backward()
-    check("tp.vocab", "vocabulary-parallel cross-entropy", loss.detach(), expected.detach())
-    check("tp.vocab", "gradient of this rank's logits", local.grad, logits_ref.grad.chunk(n, -1)[rank])
-    if n > 1:
-        sizes = [e.bytes // 8 for e in tracer.events]
-        assert tracer.kinds() <= {"all_reduce"} and sizes == [B * T] * 3, \
-            (f"tp.vocab: the loss must reduce B*T = {B * T} numbers three times (max, sum of exp, target "
-             f"logit) and never move the logits; traced {tracer.summary()} with sizes {sizes}")
+    for group in tp_groups():
+        n, rank = group.n, group.rank
+        emb = VocabParallelEmbedding.from_embedding(table, group.handle)
+        with CommTracer() as fwd:
+            rows = emb(idx)
+        check("tp.vocab", f"embedding lookup{group} (tokens at every slice's first and last id)", rows,
+              rows_ref.detach())
+        signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T, 16), group.ranks)],
+                  f"embedding forward{group} (g: one all-reduce of the [B, T, 16] lookups over the group)")
+        with CommTracer() as bwd:
+            (rows * weights).sum().backward()
+        signature("tp.vocab", bwd, [], f"embedding backward{group} (g's backward: no communication)")
+        check("tp.vocab", f"embedding weight gradient{group}, gathered", gathered(emb.weight.grad, 0, group=group),
+              table.weight.grad)
+
+        local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
+        with CommTracer() as fwd:
+            loss = vocab_parallel_cross_entropy(local, targets, group.handle)
+        check("tp.vocab", f"vocabulary-parallel cross-entropy{group} (logits near 1000, targets at every "
+              "slice's edges)", loss.detach(), expected.detach())
+        # Three all-reduces of one number per token (the max, the sum of exponentials, the
+        # target's logit); never the [B, T, V] logits; backward needs no communication.
+        signature("tp.vocab", fwd, [Op("all_reduce", nbytes(B, T), group.ranks)] * 3,
+                  f"loss forward{group} (three all-reduces of B*T numbers: max, sum of exp, target logit)")
+        with CommTracer() as bwd:
+            loss.backward()
+        check("tp.vocab", f"gradient of this rank's logits{group}", local.grad, logits_ref.grad.chunk(n, -1)[rank])
+        signature("tp.vocab", bwd, [], f"loss backward{group} (softmax - one-hot, from local values: no communication)")
 
 
 @task("tp.vocab", points=1.5)
@@ -261,6 +374,37 @@ def tokens(step: int):
     return x[step * B:(step + 1) * B], y[step * B:(step + 1) * B]
 
 
+# Which parameters tensor parallelism splits (chapter 05): the vocabulary tables, c_attn and
+# c_fc by output rows (weight and bias), both c_proj weights by input columns. The rest
+# (LayerNorms, wpe, the c_proj biases) stays whole on every rank.
+SPLIT = ("wte.weight", "lm_head.weight", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+         "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight")
+
+
+def full_state_dict_signature(ref, tied: bool, tracer, what: str, ranks=None) -> None:
+    """One all-gather of the full tensor per split entry of the state dict, over the group,
+    nothing for the replicated ones. A tied head is the embedding's table: gathered once or
+    once per key."""
+    split = [(name, nbytes(*value.shape)) for name, value in ref.state_dict().items() if name.endswith(SPLIT)]
+    expected = [Op("all_gather", size, ranks) for _, size in split]
+    try:
+        signature("tp.model", tracer, expected, what)
+    except AssertionError:
+        if not tied:
+            raise
+        once = [Op("all_gather", size, ranks) for name, size in split if name != "lm_head.weight"]
+        signature("tp.model", tracer, once, what + " (the tied head gathered once)")
+
+
+def step_signature(gpt_config, ranks=None) -> tuple[list, list]:
+    """The ops of a forward and of a backward of the TP GPT on a [B, T] batch, over the group.
+    Forward: the embedding's g, g after each block's attention and MLP, the loss's three
+    reductions of B*T numbers; backward: the head's f, f before each attention and MLP."""
+    L, H = gpt_config.n_layer, gpt_config.n_embd
+    forward = [Op("all_reduce", nbytes(B, T, H), ranks)] * (1 + 2 * L) + [Op("all_reduce", nbytes(B, T), ranks)] * 3
+    return forward, [Op("all_reduce", nbytes(B, T, H), ranks)] * (1 + 2 * L)
+
+
 def gpt_on_rank(tie: bool):
     """The TP GPT vs the single-process GPT: loss every step, gradients of step 0, weights
     after 5 AdamW steps (gathered with the learner's full_state_dict), the traffic of a step."""
@@ -268,10 +412,13 @@ def gpt_on_rank(tie: bool):
     from labkit.tp import full_state_dict, tensor_parallel
     n, rank = setup()
     ref = GPT(config(tie_weights=tie)).double()
-    model = tensor_parallel(GPT(config(tie_weights=tie)).double())
+    with CommTracer() as built:
+        model = tensor_parallel(GPT(config(tie_weights=tie)).double())
+    signature("tp.model", built, [], f"tie_weights={tie}: tensor_parallel (every rank slices the same "
+              "weights: no communication)")
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    L, bth = ref.config.n_layer, B * T * ref.config.n_embd
+    forward, backward = step_signature(ref.config)
     losses = []
     for step in range(STEPS):
         x, y = tokens(step)
@@ -283,31 +430,33 @@ def gpt_on_rank(tie: bool):
             loss.backward()
         what = f"tie_weights={tie}, step {step}"
         check("tp.model", f"{what}: loss", loss.detach(), loss_ref.detach())
+        signature("tp.model", fwd, forward, f"{what}: forward (1 + 2L all-reduces of B*T*H, then the loss's 3 of B*T)")
+        signature("tp.model", bwd, backward, f"{what}: backward (1 + 2L all-reduces of B*T*H)")
         assert logits.shape == (B, T, 48 // n), f"tp.model: logits of rank {rank} are {tuple(logits.shape)}; expected this rank's vocabulary slice"
         if step == 0:
-            grads = full_state_dict(model, grads=True)
+            with CommTracer() as gather:
+                grads = full_state_dict(model, grads=True)
             for name, p in ref.named_parameters():
                 check("tp.model", f"{what}: gradient of {name}, gathered", grads[name], p.grad)
-            if n > 1:  # embedding g, then 2 per block, then the loss's 3; backward: head f, 2 per block
-                assert all_reduces(fwd, False) == [bth] * (1 + 2 * L) + [B * T] * 3, \
-                    f"tp.model: forward all-reduces (numbers each) {all_reduces(fwd, False)}; expected {[bth] * (1 + 2 * L) + [B * T] * 3}"
-                assert all_reduces(bwd, True) == [bth] * (1 + 2 * L), \
-                    f"tp.model: backward all-reduces {all_reduces(bwd, True)}; expected {[bth] * (1 + 2 * L)}"
+            full_state_dict_signature(ref, tie, gather, f"{what}: full_state_dict(grads=True)")
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
         losses.append(loss.item())
-    state, expected = full_state_dict(model), ref.state_dict()
+    with CommTracer() as gather:
+        state = full_state_dict(model)
+    expected = ref.state_dict()
     assert set(state) == set(expected), f"tp.model: full_state_dict keys differ: {set(state) ^ set(expected)}"
     for name, value in expected.items():
         check("tp.model", f"tie_weights={tie}: {name} after {STEPS} steps", state[name], value)
+    full_state_dict_signature(ref, tie, gather, f"tie_weights={tie}: full_state_dict")
     return losses
 
 
 def bad_shapes_on_rank():
     from labkit.models import GPT
-    from labkit.tp import ColumnParallelLinear, RowParallelLinear, tensor_parallel
-    n = dist.get_world_size()
+    from labkit.tp import ColumnParallelLinear, RowParallelLinear, full_state_dict, tensor_parallel
+    n = setup()[0]
     cases = [(lambda: tensor_parallel(GPT(config(n_head=6, n_embd=48))), "n_head"),
              (lambda: tensor_parallel(GPT(config(vocab_size=50))), "vocab_size"),
              (lambda: ColumnParallelLinear(8, 10), "out_features"),
@@ -321,11 +470,29 @@ def bad_shapes_on_rank():
             else:
                 raise AssertionError(f"tp.model: a shape with {word} not divisible by {n} was accepted")
         assert not tracer.events, f"tp.model: communicated before refusing a bad {word}: {tracer.summary()}"
-    # ... and the shape that does divide is accepted, and computes the single process's loss.
+    # ... and the shape that does divide is accepted, and computes the single process's loss,
+    # also over a group of 2 of the 4 ranks: every part of the model runs over the group given.
     x, y = tokens(0)
-    expected = GPT(config()).double()(x, y)[1]
+    ref = GPT(config()).double()
+    expected = ref(x, y)[1]
+    expected.backward()
     check("tp.model", "loss of a valid shape", tensor_parallel(GPT(config()).double())(x, y)[1].detach(),
           expected.detach())
+    group = tp_groups()[-1]
+    model = tensor_parallel(GPT(config()).double(), group.handle)
+    with CommTracer() as fwd:
+        loss = model(x, y)[1]
+    with CommTracer() as bwd:
+        loss.backward()
+    check("tp.model", f"loss{group}", loss.detach(), expected.detach())
+    forward, backward = step_signature(ref.config, group.ranks)
+    signature("tp.model", fwd, forward, f"forward{group} (1 + 2L all-reduces of B*T*H, then the loss's 3 of B*T)")
+    signature("tp.model", bwd, backward, f"backward{group} (1 + 2L all-reduces of B*T*H)")
+    with CommTracer() as gather:
+        grads = full_state_dict(model, group.handle, grads=True)
+    for name, p in ref.named_parameters():
+        check("tp.model", f"gradient of {name}{group}, gathered", grads[name], p.grad)
+    full_state_dict_signature(ref, True, gather, f"full_state_dict(grads=True){group}", group.ranks)
 
 
 @task("tp.model", points=2)
