@@ -24,6 +24,7 @@ from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 4]
 HIDDEN, FFN, EXPERTS, TOP_K, BATCH, SEQ = 8, 12, 4, 2, 2, 6
+UNEVEN_SHIFT = 1.0
 
 
 def tokens_of(rank: int, salt: int, dtype=torch.float64) -> torch.Tensor:
@@ -32,7 +33,8 @@ def tokens_of(rank: int, salt: int, dtype=torch.float64) -> torch.Tensor:
 
 
 def skewed_gate(gate: torch.Tensor) -> torch.Tensor:
-    """Uneven routing: expert 0's logit lifted so it takes most tokens."""
+    """Uneven routing: expert 0's weights lifted along the all-ones direction, so that for tokens
+    shifted by +1 (``UNEVEN_SHIFT``) it takes most of them."""
     gate = gate.clone()
     gate[0] += 3.0 * gate.new_ones(gate.shape[1]) / math.sqrt(gate.shape[1])
     return gate
@@ -44,7 +46,7 @@ def router_on_rank() -> None:
     from labkit.moe import load_balancing_loss, route, router_z_loss
     rank = dist.get_rank()
     for salt, k in enumerate([1, 2, 3]):
-        x = tokens_of(rank, salt).reshape(-1, HIDDEN)
+        x = (tokens_of(rank, salt) + (UNEVEN_SHIFT if salt == 2 else 0.0)).reshape(-1, HIDDEN)
         gen = torch.Generator().manual_seed(7 + salt)
         gate = torch.randn(EXPERTS, HIDDEN, generator=gen, dtype=torch.float64)
         if salt == 2:
@@ -165,7 +167,7 @@ def routed_rows(xs, gate, k, factor, rank, n):
 
 
 def layer_on_rank() -> None:
-    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe
+    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe, route
     rank, n = dist.get_rank(), dist.get_world_size()
     members, local = list(range(n)), EXPERTS // n
     with CommTracer() as tracer:  # bad input: a clear error before any communication
@@ -183,7 +185,7 @@ def layer_on_rank() -> None:
             gate = skewed_gate(gate)
             with torch.no_grad():
                 layer.gate.copy_(gate)
-        xs = [tokens_of(r, salt).requires_grad_(True) for r in members]
+        xs = [(tokens_of(r, salt) + (UNEVEN_SHIFT if uneven else 0.0)).requires_grad_(True) for r in members]
         ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
         ref_total = 0
         for r, x in enumerate(xs):
@@ -206,6 +208,9 @@ def layer_on_rank() -> None:
         gate_grad = layer.gate.grad.clone()
         dist.all_reduce(gate_grad)
         assert_close(gate_grad, ref[0].grad, what + ": gate gradient summed over ranks")
+        if uneven:  # the case is what it says: expert 0 holds most choices
+            share = (route(xs[rank].detach().reshape(-1, HIDDEN), gate, TOP_K)[0] == 0).float().mean().item()
+            assert share > 0.4, f"test set-up: expert 0 should take most tokens, took {share:.0%}"
         sent, received = routed_rows([t.detach() for t in xs], gate, TOP_K, factor, rank, n)
         row = max(sent, received) * HIDDEN * 8
         assert_ops(tracer, [Op("all_to_all", EXPERTS * 8, members)] + 4 * [Op("all_to_all", row, members)],
