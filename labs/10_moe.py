@@ -33,8 +33,9 @@ TASKS = ("moe.router", "moe.capacity", "moe.dispatch", "moe.layer")
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
+    """Tokens shifted by +1 along all ones: the gate's lift along that direction favours expert 0."""
     return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1000 * step + rank),
-                       dtype=torch.float64)
+                       dtype=torch.float64) + 1.0
 
 
 def check_layer() -> dict:
