@@ -46,6 +46,8 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
     "mesh": (("torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.pipelining")
              + _FSDP, "chapter 08 builds the rank grid and composes your own parts"),
     "elastic": (("torch.distributed.checkpoint",), "chapter 09 builds the checkpoint (DCP is the oracle)"),
+    "moe": (("torch.distributed.nn", "torch.distributed._functional_collectives", "torch.distributed.tensor"),
+            "chapter 10 builds the all-to-all dispatch with its autograd (dist.all_to_all_single is the building block)"),
 }
 
 

@@ -15,6 +15,7 @@ from labkit.course.bench import (  # noqa: F401 - importing a chapter registers 
     ch06_pp,
     ch07_sp,
     ch08_mesh,
+    ch10_moe,
 )
 from labkit.course.bench.runner import (
     ROWS,

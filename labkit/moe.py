@@ -1,0 +1,224 @@
+"""Chapter 10 exercises: expert parallelism, a mixture-of-experts layer routed by all-to-all.
+
+A mixture-of-experts (MoE) layer replaces a transformer's MLP by E expert MLPs and a router
+that sends each token to k of them (Shazeer et al., 2017, arXiv:1701.06538; GShard, Lepikhin
+et al., 2020, arXiv:2006.16668; Switch, Fedus et al., 2021, arXiv:2101.03961). Parameters
+grow with E, FLOPs per token only with k.
+
+Expert parallelism (EP) splits the E experts over the N ranks of a group, E/N each. Every rank
+routes its own tokens, then:
+
+1. counts, per expert, the tokens it sends and exchanges these counts (an all-to-all of E
+   int64s): without them no rank knows how many rows it will receive, and all_to_all_single
+   with mismatched split sizes hangs;
+2. sorts its (token, choice) pairs by expert (a permutation) and sends each block to the rank
+   holding the expert: all_to_all_single with uneven input/output split sizes (dispatch);
+3. computes each local expert on its rows, batched per expert;
+4. sends the results back with the reverse all-to-all (combine), un-permutes them and adds
+   them up, weighted by the gate.
+
+Both all-to-alls move (routed rows) x hidden x element size bytes; backward runs them again in
+reverse. Capacity: with factor C, an expert takes at most ceil(C * k * T / E) of a rank's T
+tokens; the rule here keeps the earliest (token index, then choice slot) and drops the rest
+(a dropped choice contributes nothing; the token still has its residual path). ``capacity_factor
+= None`` is dropless.
+
+Tasks (run ``labkit grade moe``; tests in ``tests/grading/test_moe.py``):
+    moe.router    route, load_balancing_loss, router_z_loss
+    moe.capacity  expert_capacity, keep_mask
+    moe.dispatch  AllToAll, exchange_counts
+    moe.layer     ExpertParallelMoE.forward (dispatch, experts, combine)
+Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0) raises
+ValueError before any communication.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- router
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int):
+    """Top-k routing of tokens ``x`` [T, H] with a linear gate [E, H].
+
+    Returns (experts [T, k] int64, weights [T, k], probs [T, E], logits [T, E]); the weights
+    are the chosen softmax probabilities renormalised to sum to 1 per token."""
+    # BEGIN SOLUTION moe.router: logits = x @ W.T, softmax, topk, divide the k weights by their sum
+    logits = x @ gate_weight.t()
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights, probs, logits
+    # END SOLUTION
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Switch/GShard auxiliary loss E * sum_e f_e * P_e: f_e the fraction of the T*k choices
+    sent to expert e (no gradient), P_e the mean router probability of e. 1 when balanced."""
+    # BEGIN SOLUTION moe.router: f = bincount(experts)/(T*k), P = probs.mean(0), E * (f * P).sum()
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
+    fraction = counts / experts.numel()
+    return num_experts * (fraction * probs.mean(dim=0)).sum()
+    # END SOLUTION
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss (Zoph et al., 2022, arXiv:2202.08906): mean of logsumexp(logits)^2."""
+    # BEGIN SOLUTION moe.router: torch.logsumexp over experts, squared, mean over tokens
+    return torch.logsumexp(logits, dim=-1).pow(2).mean()
+    # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- capacity
+
+def expert_capacity(tokens: int, num_experts: int, k: int, capacity_factor: float | None) -> int | None:
+    """ceil(C * k * T / E) rows per expert; None (dropless) when capacity_factor is None."""
+    if capacity_factor is None:
+        return None
+    if capacity_factor <= 0:
+        raise ValueError(f"moe: capacity factor must be > 0, got {capacity_factor}")
+    # BEGIN SOLUTION moe.capacity: math.ceil of C * k * T / E
+    return math.ceil(capacity_factor * k * tokens / num_experts)
+    # END SOLUTION
+
+
+def keep_mask(experts: torch.Tensor, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """Bool [T, k]: which choices an expert accepts. Each expert takes choices in order of
+    token index, then slot (row-major over [T, k]), until it holds ``capacity``."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    # BEGIN SOLUTION moe.capacity: one-hot of the flat choices, cumsum down the rows = position in its expert; keep position < capacity
+    flat = experts.reshape(-1)
+    one_hot = F.one_hot(flat, num_experts)
+    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1) - 1
+    return (position < capacity).reshape(experts.shape)
+    # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+class AllToAll(torch.autograd.Function):
+    """Rows of ``x`` [M, H] go out in blocks of ``input_splits`` (one per rank of ``group``);
+    the result holds the blocks received, ``output_splits`` rows from each rank, in rank
+    order. Backward sends the gradient back the other way (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group=None):
+        # BEGIN SOLUTION moe.dispatch: new_empty(sum(output_splits), H), dist.all_to_all_single with both split lists
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad):
+        # BEGIN SOLUTION moe.dispatch: the same all-to-all with the split lists swapped
+        output_splits, input_splits = ctx.splits
+        return AllToAll.forward(ctx, grad, input_splits, output_splits, ctx.group), None, None, None
+        # END SOLUTION
+
+
+def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
+    """``counts`` [E] int64: rows this rank sends to each expert. Returns [N, E/N]: row s holds
+    the rows rank s sends to each of this rank's experts (one even all-to-all of E int64s)."""
+    n = dist.get_world_size(group)
+    # BEGIN SOLUTION moe.dispatch: all_to_all_single of the E counts (even splits), reshaped to [N, E/N]
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received.view(n, -1)
+    # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- the layer
+
+def init_experts(num_experts: int, hidden: int, ffn: int, seed: int, dtype=torch.float32):
+    """Every expert's weights (w1 [E, H, F], w2 [E, F, H]) and the gate [E, H], from a seed:
+    the same on every rank and in the single-process reference."""
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(num_experts, hidden, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
+    w1 = torch.randn(num_experts, hidden, ffn, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
+    w2 = torch.randn(num_experts, ffn, hidden, generator=gen, dtype=torch.float64) / math.sqrt(ffn)
+    return gate.to(dtype), w1.to(dtype), w2.to(dtype)
+
+
+def expert_mlp(rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return F.gelu(rows @ w1) @ w2
+
+
+class ExpertParallelMoE(nn.Module):
+    """A top-k MoE MLP with its E experts split over ``group`` (E/N per rank, rank r holds
+    experts r*E/N ... (r+1)*E/N - 1). ``forward(x [B, T, H])`` -> (y, aux) with aux the
+    load-balancing loss of this rank's tokens; ``self.z_loss`` holds the router z-loss."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2,
+                 capacity_factor: float | None = None, group=None, seed: int = 0, dtype=torch.float32):
+        super().__init__()
+        n = dist.get_world_size(group)
+        if num_experts % n:
+            raise ValueError(f"moe: {num_experts} experts do not split over {n} EP ranks (E % N != 0)")
+        if not 1 <= k <= num_experts:
+            raise ValueError(f"moe: top-k {k} must be between 1 and the number of experts {num_experts}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"moe: capacity factor must be > 0, got {capacity_factor}")
+        self.num_experts, self.k, self.capacity_factor, self.group = num_experts, k, capacity_factor, group
+        self.local = num_experts // n
+        first = dist.get_rank(group) * self.local
+        gate, w1, w2 = init_experts(num_experts, hidden, ffn, seed, dtype)
+        self.gate = nn.Parameter(gate)
+        self.w1 = nn.Parameter(w1[first:first + self.local].clone())
+        self.w2 = nn.Parameter(w2[first:first + self.local].clone())
+        self.routed_rows = (0, 0)  # (rows sent, rows received) by the last dispatch
+
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts, weights, probs, logits = route(tokens, self.gate, self.k)
+        aux = load_balancing_loss(probs, experts, self.num_experts)
+        self.z_loss = router_z_loss(logits)
+        capacity = expert_capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
+        keep = keep_mask(experts, self.num_experts, capacity)
+        # BEGIN SOLUTION moe.layer: sort kept choices by expert, exchange counts, AllToAll, per-expert MLP on rows regrouped by local expert, AllToAll back, index_add weighted
+        token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]
+        expert_of, weight_of = experts[keep], weights[keep]
+        order = torch.argsort(expert_of, stable=True)          # the permutation: sorted by expert
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        received = exchange_counts(counts, self.group)        # [N, E/N]
+        send_splits = counts.view(-1, self.local).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, self.group)
+        # received rows come by source rank, then local expert: regroup them by local expert
+        local_expert = torch.repeat_interleave(
+            torch.arange(self.local).repeat(received.shape[0]), received.reshape(-1))
+        by_expert = torch.argsort(local_expert, stable=True)
+        per_expert = received.sum(dim=0).tolist()
+        outputs = [expert_mlp(block, self.w1[e], self.w2[e])
+                   for e, block in enumerate(rows[by_expert].split(per_expert))]
+        computed = torch.cat(outputs) if outputs else rows
+        results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to received order
+        back = AllToAll.apply(results, send_splits, recv_splits, self.group)
+        unsorted = torch.empty_like(back).index_copy(0, order, back)          # the inverse permutation
+        y = torch.zeros_like(tokens).index_add(0, token_of, unsorted * weight_of.unsqueeze(1))
+        self.routed_rows = (sum(send_splits), sum(recv_splits))
+        # END SOLUTION
+        return y.reshape(shape), aux
+
+
+def reference_moe(x: torch.Tensor, gate, w1, w2, k: int, capacity_factor: float | None):
+    """One process holding every expert: the same routing and capacity rule, a loop over
+    experts. Returns (y, aux, z_loss)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    experts, weights, probs, logits = route(tokens, gate, k)
+    num_experts = gate.shape[0]
+    keep = keep_mask(experts, num_experts, expert_capacity(tokens.shape[0], num_experts, k, capacity_factor))
+    y = torch.zeros_like(tokens)
+    for e in range(num_experts):
+        token, slot = torch.nonzero((experts == e) & keep, as_tuple=True)
+        y = y.index_add(0, token, expert_mlp(tokens[token], w1[e], w2[e]) * weights[token, slot].unsqueeze(1))
+    return y.reshape(x.shape), load_balancing_loss(probs, experts, num_experts), router_z_loss(logits)
