@@ -99,14 +99,7 @@ MUTANTS = [
            replace="        previous = self.require_backward_grad_sync\n        self._sync_now = False\n"),
     Mutant("ddp.no_sync", "does_nothing", "a context manager that only yields",
            find="        self.require_backward_grad_sync = False\n        try:", replace="        try:"),
-]
-
-# Not run yet: PyTorch's own coalesced broadcast issues exactly the technique's messages (one
-# broadcast per dtype, flattened), so no trace can tell it apart; only labkit.course.rules can,
-# once it forbids torch.distributed._broadcast_coalesced in labkit/ddp.py. Then move it into
-# MUTANTS.
-PENDING_RULES = [
-    Mutant("ddp.broadcast", "builtin_coalesced", "calls torch's _broadcast_coalesced, what the built-in DDP uses",
+Mutant("ddp.broadcast", "builtin_coalesced", "calls torch's _broadcast_coalesced, what the built-in DDP uses",
            find="    # BEGIN SOLUTION ddp.broadcast:",
            replace="    dist._broadcast_coalesced(group if group is not None else dist.group.WORLD,\n"
                    "                              [t.detach() for t in tensors], 2 ** 28,\n"
