@@ -98,10 +98,24 @@ def loss_of(kind: str, model, x, y):
     return model(x, y)[1] if kind == "gpt" else toy_loss(model, x, y)
 
 
-def my_part(x):
-    rank, n = dist.get_rank(), dist.get_world_size()
+def my_part(x, group=None):
+    """This rank's share of a batch: its 1/N, N the ranks of ``group`` (default: all)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     share = len(x) // n
     return x[rank * share:(rank + 1) * share]
+
+
+def pair_group():
+    """(group, its global ranks): the ranks in pairs (0, 1), (2, 3), ..., as the data-parallel
+    groups of a mesh (chapter 08). Each pair shards and trains a model on its own: the ranks
+    of a pair split the global batch between them. Every rank creates every group."""
+    mine = None
+    for first in range(0, dist.get_world_size(), 2):
+        ranks = list(range(first, min(first + 2, dist.get_world_size())))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group, ranks
+    return mine
 
 
 def expected_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -136,19 +150,20 @@ def unit_bytes(ref, units, world: int, itemsize=None, names=None, whole=()) -> d
 
 
 def fsdp_signature(ref, units, world: int, with_grad, kept=(), param_itemsize=None, reduce_itemsize=None,
-                   whole=()) -> tuple[list, list]:
-    """(forward ops, backward ops) of one training step, every op over all ranks. Per unit:
+                   whole=(), ranks=None) -> tuple[list, list]:
+    """(forward ops, backward ops) of one training step, every op over ``ranks`` (default:
+    all; ``world`` of them). Per unit:
     forward, one all-gather of its padded shards; backward, one all-gather again (unless the
     unit is in ``kept``) and one reduce-scatter of the padded gradients of its parameters with
     a gradient (``with_grad``; none if it has none). Each parameter in ``whole`` (kept whole,
     replicate_params) with a gradient: one all-reduce of it in backward, in its own dtype."""
     gathered = unit_bytes(ref, units, world, param_itemsize, whole=whole)
     reduced = unit_bytes(ref, units, world, reduce_itemsize, names=with_grad, whole=whole)
-    forward = [Op("all_gather", b) for b in gathered.values() if b]
-    backward = [Op("all_gather", b) for u, b in gathered.items() if b and u not in kept]
-    backward += [Op("reduce_scatter", b) for b in reduced.values() if b]
+    forward = [Op("all_gather", b, ranks) for b in gathered.values() if b]
+    backward = [Op("all_gather", b, ranks) for u, b in gathered.items() if b and u not in kept]
+    backward += [Op("reduce_scatter", b, ranks) for b in reduced.values() if b]
     params = dict(ref.named_parameters())
-    backward += [Op("all_reduce", params[name].numel() * params[name].element_size())
+    backward += [Op("all_reduce", params[name].numel() * params[name].element_size(), ranks)
                  for name in whole if name in with_grad]
     return forward, backward
 
@@ -208,12 +223,19 @@ def check_state(task_id: str, kind: str, ref, model, step: int) -> None:
 
 
 def shard_on_rank() -> None:
+    # Uninitialised memory (torch.empty) reads as NaN here, so padding left unwritten shows.
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_sharding()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def check_sharding() -> None:
     one_thread()
     from labkit.fsdp import fully_shard, shard_param
     from labkit.models import GPT, GPTConfig, ToyModel
     rank, n = dist.get_rank(), dist.get_world_size()
-    # Uninitialised memory (torch.empty) reads as NaN here, so padding left unwritten shows.
-    torch.use_deterministic_algorithms(True)
     for shape in [(7, 3), (1,), (5,), (8, 2, 2)]:  # rows below, at and above N; 3-D
         full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 1
         shard = shard_param(full, rank, n)
@@ -238,34 +260,37 @@ def shard_on_rank() -> None:
                            f"{alive} are still alive; keep only the shards")
         if kind != "gpt":
             assert_close(model.scale, ref.scale, "fsdp.shard: the buffer scale must stay as it was")
-    torch.use_deterministic_algorithms(False)
 
 
 def forward_on_rank() -> None:
     one_thread()
     from labkit.fsdp import full_state_dict
     from labkit.memory import param_bytes
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for kind in ["toy", "toy1", "gpt"]:
-        ref, model, units = build(kind, prefetch=False)
+    runs = [("toy", None), ("toy1", None), ("gpt", None)]
+    if dist.get_world_size() > 2:  # the ToyModel sharded over pairs of ranks: group= honoured
+        runs.append(("toy", pair_group()))
+    for kind, (group, ranks) in ((kind, pair or (None, None)) for kind, pair in runs):
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        ref, model, units = build(kind, prefetch=False, process_group=group)
         check_state("fsdp.forward", kind, ref, model, 0)  # full_state_dict gathers
         shards = list(model.parameters())
         full_ref = dict(ref.named_parameters(remove_duplicate=False))
         x, y = batch(kind, 0)
-        x, y = my_part(x), my_part(y)
+        x, y = my_part(x, group), my_part(y, group)
+        label = kind if group is None else f"{kind} sharded over ranks {ranks}"
         seen = []
         handles = capture_gathered(model, seen)
         with CommTracer() as tracer:
             loss = loss_of(kind, model, x, y)
         for h in handles:
             h.remove()
-        what = f"fsdp.forward: rank {rank} of {n}, {kind}"
+        what = f"fsdp.forward: rank {dist.get_rank()} (rank {rank} of {n} in the unit's group), {label}"
+        forward, _ = fsdp_signature(ref, units, n, with_grad=(), ranks=ranks)
+        assert_ops(tracer, forward, f"{what}: forward (per unit, one all-gather of its padded shards)")
         assert_close(loss.detach(), loss_of(kind, ref, x, y).detach(), f"{what}: loss vs the single-process model")
         assert seen, f"{what}: no module ran"
         for name, t in seen:
             assert_close(t.detach(), full_ref[name].detach(), f"{what}: {name} while its module runs forward")
-        forward, _ = fsdp_signature(ref, units, n, with_grad=())
-        assert_ops(tracer, forward, f"{what}: forward (per unit, one all-gather of its padded shards)")
         # Freed: with the graph still alive (loss not backpropagated), no full parameter may be.
         storages = {name: StorageWeakRef(t.untyped_storage()) for name, t in seen}
         del seen, t
@@ -288,15 +313,18 @@ def forward_on_rank() -> None:
 
 
 def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, traced_step: int = 0,
-                    **options) -> list[float]:
+                    pair=None, **options) -> list[float]:
     """5 AdamW steps of the sharded model next to the reference; checks after every step;
     ``inspect`` looks at the trace of step ``traced_step`` (prefetching in forward needs the
-    order of a previous step). ``options``: more arguments of fully_shard
+    order of a previous step). ``pair``: (group, ranks) of ``pair_group``, to shard over it
+    instead of every rank. ``options``: more arguments of fully_shard
     (reshard_after_forward=False: every unit keeps its parameters from forward to backward)."""
     from labkit.memory import grad_bytes, param_bytes
     from labkit.fsdp import UNIT_ATTR, units_of
-    rank, n = dist.get_rank(), dist.get_world_size()
-    ref, model, units = build(kind, prefetch=prefetch, **options)
+    group, ranks = pair or (None, list(range(dist.get_world_size())))
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    where = f"rank {rank} of {n}" if pair is None else f"rank {dist.get_rank()} (rank {rank} of {n} in ranks {ranks})"
+    ref, model, units = build(kind, prefetch=prefetch, process_group=group, **options)
     kept = set(units) if options.get("reshard_after_forward") is False else set()
     # When a shard's gradient lands (AllGatherParams.backward returned), its unit must have
     # freed its full parameters already: a unit is freed as soon as its backward is done.
@@ -311,8 +339,8 @@ def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, trace
     losses = []
     for step in range(STEPS):
         x, y = batch(kind, step)
-        xs, ys = my_part(x), my_part(y)
-        what = f"{task_id}: rank {rank} of {n}, {kind}, step {step}"
+        xs, ys = my_part(x, group), my_part(y, group)
+        what = f"{task_id}: {where}, {kind}, step {step}"
         tracer = CommTracer() if inspect and step == traced_step else None
         if tracer:
             started = {}  # when each unit's forward body began (these hooks run after the learner's)
@@ -346,7 +374,7 @@ def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, trace
             "parameters; free (reshard) a unit as soon as its backward is done, before reducing")
         with_grad = {name for name, p in ref.named_parameters() if p.grad is not None}
         if tracer:
-            inspect(tracer, started, what, kind, ref, units, with_grad, kept)
+            inspect(tracer, started, what, kind, ref, units, with_grad, kept, ranks)
         opt.step()
         ref_opt.step()
         wanted = sum(expected_shard(p.grad, 0, n).nbytes for p in ref.parameters() if p.grad is not None)
@@ -359,8 +387,8 @@ def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, trace
     return losses
 
 
-def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad, kept) -> None:
-    forward, backward = fsdp_signature(ref, units, dist.get_world_size(), with_grad, kept)
+def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad, kept, ranks) -> None:
+    forward, backward = fsdp_signature(ref, units, len(ranks), with_grad, kept, ranks=ranks)
     check_signature(tracer.events, what, forward, backward)
 
 
@@ -371,6 +399,8 @@ def backward_on_rank() -> list:
     for kind, options in [("toy", {}), ("toy1", dict(reshard_after_forward=False)), ("gpt", {})]:
         losses[kind] = train_and_check("fsdp.backward", kind, prefetch=False, inspect=check_backward_traffic,
                                        **options)
+    if dist.get_world_size() > 2:  # sharded over pairs of ranks: group= honoured
+        train_and_check("fsdp.backward", "toy", prefetch=False, inspect=check_backward_traffic, pair=pair_group())
     losses["builtin"] = builtin_losses()
     assert_close(torch.tensor(losses["gpt"]), torch.tensor(losses["builtin"]),
                  f"fsdp.backward: rank {dist.get_rank()}: GPT losses vs torch's fully_shard")
@@ -399,13 +429,13 @@ def builtin_losses() -> list[float]:
     return losses
 
 
-def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad, kept) -> None:
+def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad, kept, ranks) -> None:
     """Overlap, from the timeline: every all-gather but the first of forward and of backward
     (nothing runs before those) is posted before the previous unit computes and waited on
     after it. Then the order: forward, unit i+1's all-gather is issued before unit i's forward
     body starts; backward (GPT), the next block's re-gather before this block's reduce-scatter."""
     check_backward_traffic(tracer, started, what.replace("fsdp.prefetch", "fsdp.prefetch (traffic)"),
-                           kind, ref, units, with_grad, kept)
+                           kind, ref, units, with_grad, kept, ranks)
     order = sorted(units, key=lambda u: started[u])  # forward order of the units
     backward_order = order[:1] + order[1:][::-1]       # the root first, then the others reversed
     for phase, unit_order, in_backward in (("forward", order, False), ("backward", backward_order, True)):

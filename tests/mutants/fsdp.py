@@ -44,6 +44,11 @@ MUTANTS = [
                    "    from torch.distributed.tensor import Shard, distribute_tensor\n"
                    "    return distribute_tensor(full, init_device_mesh('cpu', (world,)), [Shard(0)]).to_local()\n"
                    "    rows = rows_per_rank(full.shape[0], world)\n    shard = full.new_zeros("),
+    Mutant("fsdp.shard", "builtin_fully_shard", "hands the unit's module to torch's fully_shard to shard it",
+           find="        self.use(self.shards)\n        # END SOLUTION",
+           replace="        from torch.distributed.fsdp import fully_shard as torch_fully_shard\n"
+                   "        torch_fully_shard(self.module)\n"
+                   "        # END SOLUTION"),
     # fsdp.forward
     Mutant("fsdp.forward", "no_reshard_after_forward",
            "only frees the full parameters under no_grad: they stay alive from forward to backward",
@@ -71,11 +76,25 @@ MUTANTS = [
            "all-gathers once to have the parameters, then again through AllGatherParams for autograd",
            find="        self.full = list(AllGatherParams.apply(self, *self.shards))",
            replace="        self.all_gather()\n        self.full = list(AllGatherParams.apply(self, *self.shards))"),
+    Mutant("fsdp.forward", "default_group", "all-gathers over every rank, ignoring the unit's process group",
+           find="        work = dist.all_gather_single(buffer, flat, group=self.group, async_op=True)",
+           replace="        work = dist.all_gather_single(buffer, flat, async_op=True)"),
+    Mutant("fsdp.forward", "builtin_dtensor_gather",
+           "gathers each parameter with DTensor's full_tensor() instead of its own all-gather",
+           find="        flat = pack_shards(self.params)\n        buffer = flat.new_empty(",
+           replace="        from torch.distributed.tensor import DTensor, Shard\n"
+                   "        from torch.distributed.device_mesh import init_device_mesh\n"
+                   "        mesh = init_device_mesh('cpu', (self.world,))\n"
+                   "        self.dtensor_fulls = [DTensor.from_local(p.shard, mesh, [Shard(0)]).full_tensor() for p in self.params]\n"
+                   "        flat = pack_shards(self.params)\n        buffer = flat.new_empty("),
     # fsdp.backward
     Mutant("fsdp.backward", "all_reduce_then_slice",
            "all-reduces the packed gradients and keeps its own block: DDP's traffic, not a reduce-scatter",
            find="        dist.reduce_scatter_single(mine, flat, group=self.group)",
            replace="        dist.all_reduce(flat, group=self.group)\n        mine.copy_(flat.view(self.world, -1)[self.rank])"),
+    Mutant("fsdp.backward", "default_group", "reduce-scatters over every rank, ignoring the unit's process group",
+           find="        dist.reduce_scatter_single(mine, flat, group=self.group)",
+           replace="        dist.reduce_scatter_single(mine, flat)"),
     Mutant("fsdp.backward", "missing_scale", "forgets to divide by N: the shards get the sum of the ranks' gradients",
            find="        mine /= self.world  # the sum of per-rank means -> the mean over the global batch",
            replace="        pass"),
