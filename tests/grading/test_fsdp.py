@@ -8,11 +8,24 @@ single-process reference trains the same model on the global batch; each rank tr
 its 1/N of it. Models run in float64, so the comparison after 5 AdamW steps holds to the
 float64 tolerance of labkit.check (in float32, Adam turns last-bit differences of
 near-zero gradients into visible steps). The GPT's losses are also compared with torch's
-fully_shard. The tracer checks the behaviour: only all-gathers and reduce-scatters, how
-many, how many bytes, and when they are issued.
+fully_shard.
+
+The tracer checks the technique: the whole communication signature of each phase, every op
+with its count, group and bytes, and nothing else (``labkit.comm.assert_ops``), derived from
+the shapes (3Φ per step): per unit, in forward one all-gather of its padded shards
+(N x R x rest x element size per parameter, a tied weight once); in backward one all-gather
+again (none for a unit that keeps its parameters, ``reshard_after_forward=False``) and one
+reduce-scatter of the padded gradients of its parameters that have one; with mixed precision
+the all-gathers in ``param_dtype`` and the reduce-scatters in ``reduce_dtype``; a parameter
+kept whole: one all-reduce of its gradient. ``fully_shard`` itself communicates nothing.
+Memory: no full parameter outlives its unit's forward, and a unit is freed before its
+gradients are reduce-scattered. Prefetch: each all-gather but the first of forward and of
+backward is posted before the previous unit computes and waited on after it (the timeline
+of post, compute and wait).
 """
 
 import functools
+import math
 import time
 import weakref
 
@@ -22,7 +35,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from labkit.check import assert_close
-from labkit.comm import CommTracer
+from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 2, 3, 4]
@@ -85,10 +98,24 @@ def loss_of(kind: str, model, x, y):
     return model(x, y)[1] if kind == "gpt" else toy_loss(model, x, y)
 
 
-def my_part(x):
-    rank, n = dist.get_rank(), dist.get_world_size()
+def my_part(x, group=None):
+    """This rank's share of a batch: its 1/N, N the ranks of ``group`` (default: all)."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     share = len(x) // n
     return x[rank * share:(rank + 1) * share]
+
+
+def pair_group():
+    """(group, its global ranks): the ranks in pairs (0, 1), (2, 3), ..., as the data-parallel
+    groups of a mesh (chapter 08). Each pair shards and trains a model on its own: the ranks
+    of a pair split the global batch between them. Every rank creates every group."""
+    mine = None
+    for first in range(0, dist.get_world_size(), 2):
+        ranks = list(range(first, min(first + 2, dist.get_world_size())))
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group, ranks
+    return mine
 
 
 def expected_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -104,13 +131,49 @@ def shard_bytes(ref, world: int) -> int:
     return sum(expected_shard(p.detach(), 0, world).nbytes for p in ref.parameters())
 
 
-def comm_formula(ref, world: int, with_grad: set) -> dict:
-    """Bytes per rank per step: every parameter all-gathered twice, the ones with a
-    gradient reduce-scattered once, x (N-1)/N (padded sizes, a tied weight counted once)."""
-    share = (world - 1) / world
-    full = {name: world * expected_shard(p.detach(), 0, world).nbytes for name, p in ref.named_parameters()}
-    return dict(all_gather=2 * share * sum(full.values()),
-                reduce_scatter=share * sum(b for name, b in full.items() if name in with_grad))
+def unit_of(name: str, units) -> str:
+    """The innermost unit ("" = the root) that holds parameter ``name``."""
+    return max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+
+
+def unit_bytes(ref, units, world: int, itemsize=None, names=None, whole=()) -> dict[str, int]:
+    """Per unit: the bytes of its parameters gathered whole, padded: N x R x (the other dims)
+    x element size (``itemsize``: the dtype moved; default the parameter's), a tied weight once;
+    only those in ``names`` if given, never the ones kept whole."""
+    out = {u: 0 for u in units}
+    for name, p in ref.named_parameters():
+        if name in whole or (names is not None and name not in names):
+            continue
+        rows = -(-p.shape[0] // world)
+        out[unit_of(name, units)] += world * rows * math.prod(p.shape[1:]) * (itemsize or p.element_size())
+    return out
+
+
+def fsdp_signature(ref, units, world: int, with_grad, kept=(), param_itemsize=None, reduce_itemsize=None,
+                   whole=(), ranks=None) -> tuple[list, list]:
+    """(forward ops, backward ops) of one training step, every op over ``ranks`` (default:
+    all; ``world`` of them). Per unit:
+    forward, one all-gather of its padded shards; backward, one all-gather again (unless the
+    unit is in ``kept``) and one reduce-scatter of the padded gradients of its parameters with
+    a gradient (``with_grad``; none if it has none). Each parameter in ``whole`` (kept whole,
+    replicate_params) with a gradient: one all-reduce of it in backward, in its own dtype."""
+    gathered = unit_bytes(ref, units, world, param_itemsize, whole=whole)
+    reduced = unit_bytes(ref, units, world, reduce_itemsize, names=with_grad, whole=whole)
+    forward = [Op("all_gather", b, ranks) for b in gathered.values() if b]
+    backward = [Op("all_gather", b, ranks) for u, b in gathered.items() if b and u not in kept]
+    backward += [Op("reduce_scatter", b, ranks) for b in reduced.values() if b]
+    params = dict(ref.named_parameters())
+    backward += [Op("all_reduce", params[name].numel() * params[name].element_size(), ranks)
+                 for name in whole if name in with_grad]
+    return forward, backward
+
+
+def check_signature(events, what: str, forward, backward) -> None:
+    """The traced ops outside backward are ``forward``'s, those during backward ``backward``'s."""
+    assert_ops([e for e in events if not e.in_backward], forward,
+               f"{what}: forward (per unit, one all-gather of its padded shards)")
+    assert_ops([e for e in events if e.in_backward], backward,
+               f"{what}: backward (per unit, an all-gather unless kept, a reduce-scatter of its gradients)")
 
 
 def capture_gathered(model, seen: list):
@@ -160,6 +223,15 @@ def check_state(task_id: str, kind: str, ref, model, step: int) -> None:
 
 
 def shard_on_rank() -> None:
+    # Uninitialised memory (torch.empty) reads as NaN here, so padding left unwritten shows.
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_sharding()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def check_sharding() -> None:
     one_thread()
     from labkit.fsdp import fully_shard, shard_param
     from labkit.models import GPT, GPTConfig, ToyModel
@@ -175,9 +247,12 @@ def shard_on_rank() -> None:
         ref = GPT(GPTConfig()).double() if kind == "gpt" else ToyModel().double()
         model = GPT(GPTConfig()).double() if kind == "gpt" else ToyModel().double()
         originals = {name: weakref.ref(p) for name, p in model.named_parameters()}
-        for sub in (model.blocks if kind == "gpt" else [model.frozen] if kind == "toy" else []):
-            fully_shard(sub)
-        fully_shard(model)
+        with CommTracer() as tracer:
+            for sub in (model.blocks if kind == "gpt" else [model.frozen] if kind == "toy" else []):
+                fully_shard(sub)
+            fully_shard(model)
+        assert_ops(tracer, [], f"fsdp.shard: rank {rank} of {n}, {kind}: fully_shard must not communicate "
+                               "(every rank cuts its shard from the same initial parameters)")
         check_shards("fsdp.shard", kind, ref, model, "after fully_shard")
         # No gc.collect(): what is freed must go at once, by reference count (and collect() costs ~0.5 s)
         alive = [name for name, r in originals.items() if r() is not None]
@@ -191,32 +266,31 @@ def forward_on_rank() -> None:
     one_thread()
     from labkit.fsdp import full_state_dict
     from labkit.memory import param_bytes
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for kind in ["toy", "toy1", "gpt"]:
-        ref, model, units = build(kind, prefetch=False)
+    runs = [("toy", None), ("toy1", None), ("gpt", None)]
+    if dist.get_world_size() > 2:  # the ToyModel sharded over pairs of ranks: group= honoured
+        runs.append(("toy", pair_group()))
+    for kind, (group, ranks) in ((kind, pair or (None, None)) for kind, pair in runs):
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        ref, model, units = build(kind, prefetch=False, process_group=group)
         check_state("fsdp.forward", kind, ref, model, 0)  # full_state_dict gathers
         shards = list(model.parameters())
         full_ref = dict(ref.named_parameters(remove_duplicate=False))
         x, y = batch(kind, 0)
-        x, y = my_part(x), my_part(y)
+        x, y = my_part(x, group), my_part(y, group)
+        label = kind if group is None else f"{kind} sharded over ranks {ranks}"
         seen = []
         handles = capture_gathered(model, seen)
         with CommTracer() as tracer:
             loss = loss_of(kind, model, x, y)
         for h in handles:
             h.remove()
-        what = f"fsdp.forward: rank {rank} of {n}, {kind}"
+        what = f"fsdp.forward: rank {dist.get_rank()} (rank {rank} of {n} in the unit's group), {label}"
+        forward, _ = fsdp_signature(ref, units, n, with_grad=(), ranks=ranks)
+        assert_ops(tracer, forward, f"{what}: forward (per unit, one all-gather of its padded shards)")
         assert_close(loss.detach(), loss_of(kind, ref, x, y).detach(), f"{what}: loss vs the single-process model")
         assert seen, f"{what}: no module ran"
         for name, t in seen:
             assert_close(t.detach(), full_ref[name].detach(), f"{what}: {name} while its module runs forward")
-        kinds = tracer.kinds()
-        assert kinds <= {"all_gather"}, f"{what}: forward issued {sorted(kinds)}; only all-gathers belong there"
-        assert tracer.count("all_gather") == len(units), (
-            f"{what}: {tracer.count('all_gather')} all-gathers in forward; expected one per unit ({len(units)})")
-        gathered = sum(e.bytes for e in tracer.events)
-        want = sum(n * expected_shard(p.detach(), 0, n).nbytes for p in ref.parameters())
-        assert gathered == want, f"{what}: all-gathered {gathered} bytes in forward; the padded model is {want}"
         # Freed: with the graph still alive (loss not backpropagated), no full parameter may be.
         storages = {name: StorageWeakRef(t.untyped_storage()) for name, t in seen}
         del seen, t
@@ -230,26 +304,44 @@ def forward_on_rank() -> None:
         assert param_bytes(model) == shard_bytes(ref, n), (
             f"{what}: after forward the modules must point at their shards again")
         with torch.no_grad():
-            assert_close(loss_of(kind, model, x, y), loss_of(kind, ref, x, y),
-                         f"{what}: loss under torch.no_grad()")
+            with CommTracer() as tracer:
+                no_grad_loss = loss_of(kind, model, x, y)
+            assert_close(no_grad_loss, loss_of(kind, ref, x, y), f"{what}: loss under torch.no_grad()")
+        assert_ops(tracer, forward, f"{what}: forward under torch.no_grad() (per unit, one all-gather)")
         assert param_bytes(model) == shard_bytes(ref, n), f"{what}: under no_grad, forward must free too"
         del loss
 
 
-def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None) -> list[float]:
-    """5 AdamW steps of the sharded model next to the reference; checks after every step."""
+def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, traced_step: int = 0,
+                    pair=None, **options) -> list[float]:
+    """5 AdamW steps of the sharded model next to the reference; checks after every step;
+    ``inspect`` looks at the trace of step ``traced_step`` (prefetching in forward needs the
+    order of a previous step). ``pair``: (group, ranks) of ``pair_group``, to shard over it
+    instead of every rank. ``options``: more arguments of fully_shard
+    (reshard_after_forward=False: every unit keeps its parameters from forward to backward)."""
     from labkit.memory import grad_bytes, param_bytes
-    from labkit.fsdp import units_of
-    rank, n = dist.get_rank(), dist.get_world_size()
-    ref, model, units = build(kind, prefetch=prefetch)
+    from labkit.fsdp import UNIT_ATTR, units_of
+    group, ranks = pair or (None, list(range(dist.get_world_size())))
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    where = f"rank {rank} of {n}" if pair is None else f"rank {dist.get_rank()} (rank {rank} of {n} in ranks {ranks})"
+    ref, model, units = build(kind, prefetch=prefetch, process_group=group, **options)
+    kept = set(units) if options.get("reshard_after_forward") is False else set()
+    # When a shard's gradient lands (AllGatherParams.backward returned), its unit must have
+    # freed its full parameters already: a unit is freed as soon as its backward is done.
+    held = []
+    for name, shard in model.named_parameters():
+        if shard.requires_grad:
+            unit = getattr(model.get_submodule(unit_of(name, units)), UNIT_ATTR)
+            shard.register_post_accumulate_grad_hook(
+                lambda _, unit=unit, name=name: held.append(name) if unit.full is not None else None)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
         x, y = batch(kind, step)
-        xs, ys = my_part(x), my_part(y)
-        what = f"{task_id}: rank {rank} of {n}, {kind}, step {step}"
-        tracer = CommTracer() if inspect and step == 1 else None
+        xs, ys = my_part(x, group), my_part(y, group)
+        what = f"{task_id}: {where}, {kind}, step {step}"
+        tracer = CommTracer() if inspect and step == traced_step else None
         if tracer:
             started = {}  # when each unit's forward body began (these hooks run after the learner's)
             handles = [model.get_submodule(u).register_forward_pre_hook(
@@ -277,9 +369,12 @@ def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None) -> li
                              f"{what}: gradient of {name}'s shard (averaged over ranks)")
         assert all(u.full is None and u.pending is None for u in units_of(model)), (
             f"{what}: after backward, every unit must be resharded (no full parameters kept)")
+        assert not held, (
+            f"{what}: the gradients of {held} were reduce-scattered while their unit still held its full "
+            "parameters; free (reshard) a unit as soon as its backward is done, before reducing")
         with_grad = {name for name, p in ref.named_parameters() if p.grad is not None}
         if tracer:
-            inspect(tracer, started, what, kind, ref, units, with_grad)
+            inspect(tracer, started, what, kind, ref, units, with_grad, kept, ranks)
         opt.step()
         ref_opt.step()
         wanted = sum(expected_shard(p.grad, 0, n).nbytes for p in ref.parameters() if p.grad is not None)
@@ -292,34 +387,20 @@ def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None) -> li
     return losses
 
 
-def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad) -> None:
-    n = dist.get_world_size()
-    kinds = tracer.kinds()
-    assert kinds <= {"all_gather", "reduce_scatter"}, (
-        f"{what}: a step issued {sorted(kinds)}; FSDP needs only all-gathers and reduce-scatters")
-    gathers = [e for e in tracer.events if e.kind == "all_gather"]
-    scatters = [e for e in tracer.events if e.kind == "reduce_scatter"]
-    in_backward = sum(e.in_backward for e in gathers)
-    assert len(gathers) == 2 * len(units) and in_backward == len(units), (
-        f"{what}: {len(gathers) - in_backward} all-gathers in forward and {in_backward} in backward; "
-        f"expected one per unit ({len(units)}) in each: re-gather before each unit's backward")
-    trained_units = len(units) - (kind == "toy")  # the ToyModel's frozen unit has nothing to reduce
-    assert len(scatters) == trained_units and all(e.in_backward for e in scatters), (
-        f"{what}: {len(scatters)} reduce-scatters ({sum(e.in_backward for e in scatters)} in backward); "
-        f"expected one per unit with trainable parameters ({trained_units}), in backward")
-    formula = comm_formula(ref, n, with_grad)
-    for kind, events in (("all_gather", gathers), ("reduce_scatter", scatters)):
-        sent = sum(e.wire_bytes for e in events)
-        assert abs(sent - formula[kind]) < 1e-6, (
-            f"{what}: {kind} sent {sent:.0f} bytes per rank; the formula says {formula[kind]:.0f} "
-            "(padded parameters; reduce-scatter only those with a gradient)")
+def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad, kept, ranks) -> None:
+    forward, backward = fsdp_signature(ref, units, len(ranks), with_grad, kept, ranks=ranks)
+    check_signature(tracer.events, what, forward, backward)
 
 
 def backward_on_rank() -> list:
     one_thread()
     losses = {}
-    for kind in ["toy", "toy1", "gpt"]:
-        losses[kind] = train_and_check("fsdp.backward", kind, prefetch=False, inspect=check_backward_traffic)
+    # toy1 keeps its parameters from forward to backward: no all-gather in backward
+    for kind, options in [("toy", {}), ("toy1", dict(reshard_after_forward=False)), ("gpt", {})]:
+        losses[kind] = train_and_check("fsdp.backward", kind, prefetch=False, inspect=check_backward_traffic,
+                                       **options)
+    if dist.get_world_size() > 2:  # sharded over pairs of ranks: group= honoured
+        train_and_check("fsdp.backward", "toy", prefetch=False, inspect=check_backward_traffic, pair=pair_group())
     losses["builtin"] = builtin_losses()
     assert_close(torch.tensor(losses["gpt"]), torch.tensor(losses["builtin"]),
                  f"fsdp.backward: rank {dist.get_rank()}: GPT losses vs torch's fully_shard")
@@ -348,13 +429,22 @@ def builtin_losses() -> list[float]:
     return losses
 
 
-def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad) -> None:
-    """Forward: unit i+1's all-gather is issued before unit i's forward body starts.
-    Backward (GPT): the next block's re-gather is issued before this block's reduce-scatter."""
+def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad, kept, ranks) -> None:
+    """Overlap, from the timeline: every all-gather but the first of forward and of backward
+    (nothing runs before those) is posted before the previous unit computes and waited on
+    after it. Then the order: forward, unit i+1's all-gather is issued before unit i's forward
+    body starts; backward (GPT), the next block's re-gather before this block's reduce-scatter."""
     check_backward_traffic(tracer, started, what.replace("fsdp.prefetch", "fsdp.prefetch (traffic)"),
-                           kind, ref, units, with_grad)
-    forward = [e for e in tracer.events if e.kind == "all_gather" and not e.in_backward]
+                           kind, ref, units, with_grad, kept, ranks)
     order = sorted(units, key=lambda u: started[u])  # forward order of the units
+    backward_order = order[:1] + order[1:][::-1]       # the root first, then the others reversed
+    for phase, unit_order, in_backward in (("forward", order, False), ("backward", backward_order, True)):
+        gathers = [i for i, e in enumerate(tracer.events) if e.kind == "all_gather" and e.in_backward == in_backward]
+        for k in range(1, len(gathers)):
+            before, unit = unit_order[k - 1] or "root", unit_order[k] or "root"
+            assert_overlap(tracer, f"{what}: {phase}, the all-gather of unit {unit} (prefetched when "
+                                   f"{before}'s {phase} starts, waited on when {unit}'s does)", events=[gathers[k]])
+    forward = [e for e in tracer.events if e.kind == "all_gather" and not e.in_backward]
     for i in range(len(order) - 1):
         assert forward[i + 1].time < started[order[i]], (
             f"{what}: the all-gather of unit {order[i + 1] or 'root'} was issued after unit "
@@ -373,7 +463,7 @@ def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad) -> 
 def prefetch_on_rank() -> None:
     one_thread()
     for kind in ["toy", "gpt"]:
-        train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order)
+        train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order, traced_step=1)
 
 
 # ----------------------------------------------------------------------------- tests
@@ -439,10 +529,17 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype, replicate=False):
                       if "ln_" in name or name.endswith("c_proj.bias")] if replicate else []
     for block in ours.blocks:
         fully_shard(block, mp_policy=policy, replicate_params=kept(block))
-    fully_shard(ours, mp_policy=policy, replicate_params=kept(ours.ln_f))
+    fully_shard(ours, mp_policy=policy, replicate_params=list(ours.ln_f.parameters()) if replicate else [])
     for block in theirs.blocks:
         torch_fully_shard(block, mesh=mesh, mp_policy=policy)
     torch_fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    units = [""] + [f"blocks.{i}" for i in range(len(ours.blocks))]
+    whole = {name for name, _ in single.named_parameters() if "ln_" in name or name.endswith("c_proj.bias")} \
+        if replicate else set()
+    itemsize = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    # every parameter of the GPT gets a gradient
+    signature = fsdp_signature(single, units, n, {name for name, _ in single.named_parameters()}, whole=whole,
+                               param_itemsize=itemsize(param_dtype), reduce_itemsize=itemsize(reduce_dtype or param_dtype))
     seen = []
     ours.blocks[0].mlp.c_fc.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
     ours.blocks[0].ln_1.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
@@ -467,6 +564,7 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype, replicate=False):
             f"{what}: all-gathers moved {sorted({str(e.dtype) for e in gathers})}, expected {param_dtype}"
         assert scatters and {e.dtype for e in scatters} == {reduce_dtype or param_dtype}, \
             f"{what}: reduce-scatters moved {sorted({str(e.dtype) for e in scatters})}, expected {reduce_dtype or param_dtype}"
+        check_signature(tracer.events, what, *signature)
         for p in ours.parameters():
             assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32), \
                 f"{what}: master shards and their gradients must stay float32 (got {p.dtype}, {p.grad.dtype})"
@@ -498,6 +596,8 @@ def replicated_on_rank():
         fully_shard(block, replicate_params=norms(block))
     fully_shard(model, replicate_params=list(model.ln_f.parameters()))
     whole = {name: p.shape for name, p in ref.named_parameters() if "ln_" in name}
+    units = [""] + [f"blocks.{i}" for i in range(len(model.blocks))]
+    signature = fsdp_signature(ref, units, n, {name for name, _ in ref.named_parameters()}, whole=set(whole))
     opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (ref, model)]
     for step in range(STEPS):
         x, y = batch("gpt", step)
@@ -509,9 +609,8 @@ def replicated_on_rank():
             assert params[name].shape == shape, f"fsdp.backward: replicated {name} has shape {tuple(params[name].shape)}, not whole {tuple(shape)}"
             assert_close(params[name].grad, dict(ref.named_parameters())[name].grad,
                          f"fsdp.backward: rank {rank} of {n}, step {step}: the averaged gradient of replicated {name}")
-        if n > 1:
-            assert tracer.count("all_reduce") == len(whole), \
-                f"fsdp.backward: expected one all-reduce per replicated parameter ({len(whole)}), traced {tracer.count('all_reduce')}"
+        check_signature(tracer.events, f"fsdp.backward: rank {rank} of {n}, step {step}, LayerNorms kept whole",
+                        *signature)
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
