@@ -182,41 +182,43 @@ def message_tag(microbatch: int, stage: int, backward: bool) -> int:
 
 def send_forward(activation: torch.Tensor, microbatch: int, stage: int, num_ranks: int, group=None) -> dist.Work:
     """Send stage ``stage``'s output for ``microbatch`` to the rank of stage ``stage + 1``
-    (``peer``), asynchronously (``dist.isend`` with ``message_tag(microbatch, stage + 1,
-    False)``); return the work. The tensor must stay alive until the work completes."""
+    (``peer``) over ``group``, asynchronously (``dist.isend`` with ``message_tag(microbatch,
+    stage + 1, False)``); return the work. The tensor must stay alive until the work completes."""
     # BEGIN SOLUTION pp.p2p: dist.isend the activation (contiguous) to peer(stage + 1, ...), tagged with the receiving stage
-    return dist.isend(activation.contiguous(), dst=peer(stage + 1, num_ranks, group),
+    return dist.isend(activation.contiguous(), dst=peer(stage + 1, num_ranks, group), group=group,
                       tag=message_tag(microbatch, stage + 1, False))
     # END SOLUTION
 
 
 def recv_forward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None,
                  device=None) -> torch.Tensor:
-    """Receive (blocking) the input of stage ``stage`` for ``microbatch`` from the rank of
-    stage ``stage - 1``: a new tensor of ``shape``, ``dtype`` and ``device`` (NCCL: the GPU)."""
+    """Receive (blocking, over ``group``) the input of stage ``stage`` for ``microbatch`` from
+    the rank of stage ``stage - 1``: a new tensor of ``shape``, ``dtype`` and ``device``
+    (NCCL: the GPU)."""
     # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype, device) from peer(stage - 1, ...), same tag as the sender's
     buffer = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buffer, src=peer(stage - 1, num_ranks, group), tag=message_tag(microbatch, stage, False))
+    dist.recv(buffer, src=peer(stage - 1, num_ranks, group), group=group, tag=message_tag(microbatch, stage, False))
     return buffer
     # END SOLUTION
 
 
 def send_backward(grad: torch.Tensor, microbatch: int, stage: int, num_ranks: int, group=None) -> dist.Work:
     """Send the gradient of stage ``stage``'s input for ``microbatch`` back to the rank of
-    stage ``stage - 1`` (async, ``message_tag(microbatch, stage - 1, True)``); return the work."""
+    stage ``stage - 1`` (over ``group``, async, ``message_tag(microbatch, stage - 1, True)``);
+    return the work."""
     # BEGIN SOLUTION pp.p2p: dist.isend the gradient to peer(stage - 1, ...), tagged with the receiving stage and backward=True
-    return dist.isend(grad.contiguous(), dst=peer(stage - 1, num_ranks, group),
+    return dist.isend(grad.contiguous(), dst=peer(stage - 1, num_ranks, group), group=group,
                       tag=message_tag(microbatch, stage - 1, True))
     # END SOLUTION
 
 
 def recv_backward(shape, dtype, microbatch: int, stage: int, num_ranks: int, group=None,
                   device=None) -> torch.Tensor:
-    """Receive (blocking) the gradient of stage ``stage``'s output for ``microbatch`` from
-    the rank of stage ``stage + 1``."""
+    """Receive (blocking, over ``group``) the gradient of stage ``stage``'s output for
+    ``microbatch`` from the rank of stage ``stage + 1``."""
     # BEGIN SOLUTION pp.p2p: dist.recv into torch.empty(shape, dtype, device) from peer(stage + 1, ...), tag of (microbatch, stage, backward)
     buffer = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(buffer, src=peer(stage + 1, num_ranks, group), tag=message_tag(microbatch, stage, True))
+    dist.recv(buffer, src=peer(stage + 1, num_ranks, group), group=group, tag=message_tag(microbatch, stage, True))
     return buffer
     # END SOLUTION
 

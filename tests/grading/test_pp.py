@@ -1,25 +1,49 @@
 """Graded tests for chapter 06: pipeline parallelism (labkit/pp.py).
 
+Schedules as data: each schedule's whole table (every rank's action list) for p = 1-4 and
+several m (the interleaved one at v = 1, 2 and 3 chunks per rank) equals the table written
+out here from the chapter's rules (1F1B: w = min(p - 1 - s, m) warm-up forwards, then one
+forward and one backward while forwards remain, then the last backwards; ...), and the
+table run on the unit-cost clock (``simulate``) has the chapter's bubble (p - 1) / (v m +
+p - 1), its micro-batches in flight per rank, and (ZB-H1) a third of 1F1B's idle time.
+
 Numbers: for every schedule, at p = 2, 3 and 4 pipeline ranks, with m = p and 2p + 1
 micro-batches (m = 1 too where the schedule allows it; the interleaved one, at v = 2 chunks
 per rank, with m = p and 2p), the loss and every parameter's gradient on every rank equal
 the single-process GPT on the global batch, in float64, over 5 AdamW steps. The GPT has a
 tied embedding/head, so its two halves live on the first and last ranks.
 
-Behaviour: the order each rank executed its actions in (traced by the runner) equals the
-schedule's table, derived here from its definition; the micro-batches in flight per stage
-peak at m (GPipe) and p - s (1F1B), counted by the runner and measured as live tensor bytes
-with labkit.memory; the same stages under torch.distributed.pipelining with the matching
-built-in schedule give the same losses; bad arguments raise ValueError before anything runs.
+Technique, on every rank: the rank's list is checked against the table before anything
+runs (a wrong table never gets to hang the pipeline); the order executed equals it; the
+micro-batches in flight peak at m (GPipe), p - s (1F1B), p (ZB-H1), w + 1 (interleaved),
+counted by the runner and (GPipe, 1F1B) measured as live tensor bytes with labkit.memory.
+The first step's whole communication is traced: per micro-batch and stage boundary one send
+and one receive each way (the activation forward, its gradient back), each of one
+micro-batch's activation (B x T x hidden x 8 bytes), to or from the global rank of the
+neighbouring stage, tagged ``message_tag(micro-batch, receiving stage, backward)``, in the
+table's order; the tied embedding's one all-reduce between the first and last ranks;
+nothing else. Each message is checked as it is posted, before the transport sees it: a
+wrong peer or tag fails by name instead of hanging two ranks.
+
+pp.p2p on its own: stages pass activations forward and gradients back, micro-batches out of
+order, over the whole world and over two sub-groups (pipeline axes of a mesh; the second not
+contiguous), with exactly those messages; sends are asynchronous (the stage computes between
+posting and waiting, and a send waited on before any computation fails: no overlap); a
+receive has completed when it returns; and a GPipe step of the runner on each sub-group
+moves exactly the messages above, between global ranks, and trains like one process. The
+same stages under torch.distributed.pipelining with the matching built-in schedule give the
+same losses; bad arguments raise ValueError before anything runs.
 """
 
 import itertools
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from labkit.check import assert_close
+from labkit.comm import OP_KINDS, CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
 
 STEPS = 5
@@ -27,9 +51,16 @@ BATCH_PER_MICRO = 2
 PIPELINE_RANKS = [2, 3, 4]
 SCHEDULES = {"gpipe": "pp.gpipe", "1f1b": "pp.1f1b", "interleaved": "pp.interleaved",
              "zero_bubble": "pp.zero_bubble"}
+SUBGROUPS = [[1, 2, 3], [0, 1, 3]]  # pipeline axes of a 4-rank mesh, as in chapter 08
+FLOAT64 = torch.empty((), dtype=torch.float64).element_size()
 
 
 # ----------------------------------------------------------------------------- the tables
+
+
+def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
+    """The chapter's warm-up of the interleaved schedule: (v - 1) p + 2 (p - 1 - r) forwards."""
+    return min((v - 1) * p + 2 * (p - 1 - rank), m * v)
 
 
 def expected_order(kind: str, p: int, m: int, rank: int, v: int = 2) -> list[str]:
@@ -54,21 +85,155 @@ def expected_order(kind: str, p: int, m: int, rank: int, v: int = 2) -> list[str
                 done += 1
         return with_w + [f"W{i}s{rank}" for i in range(done, m)]
     # interleaved: rounds of p micro-batches; chunk c of rank r is stage c * p + r
-    total = m * v
+    total, warmup = m * v, interleaved_warmup(p, m, v, rank)
     def fwd(k):
         return f"F{(k // (p * v)) * p + k % p}s{((k // p) % v) * p + rank}"
     def bwd(k):
         return f"B{(k // (p * v)) * p + k % p}s{(v - 1 - (k // p) % v) * p + rank}"
-    warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
     order = [fwd(k) for k in range(warmup)]
     for j in range(total - warmup):
         order += [fwd(warmup + j), bwd(j)]
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
-def micro_batch_counts(kind: str, p: int, m: int) -> list[int]:
-    """The schedule's peak of micro-batches in flight per stage (GPipe: all; 1F1B: p - s)."""
-    return [m if kind == "gpipe" else min(p - s, m) for s in range(p)]
+def micro_batch_counts(kind: str, p: int, m: int, v: int = 1) -> list[int]:
+    """The schedule's peak of micro-batches in flight per rank (all chunks together): GPipe
+    all m; 1F1B p - s; ZB-H1 p (W's hold their inputs longer); interleaved w + 1."""
+    if kind == "gpipe":
+        return [m] * p
+    if kind == "1f1b":
+        return [min(p - s, m) for s in range(p)]
+    if kind == "zero_bubble":
+        return [min(p, m)] * p
+    return [min(interleaved_warmup(p, m, v, r) + 1, m * v) for r in range(p)]
+
+
+def parse(action: str) -> tuple[str, int, int]:
+    """'F3s1' -> ('F', 3, 1)."""
+    kind, microbatch, stage = re.fullmatch(r"([FBW])(\d+)s(\d+)", action).groups()
+    return kind, int(microbatch), int(stage)
+
+
+def in_flight_peak(order: list[str]) -> int:
+    """Most micro-batches holding activations at once along a rank's order: +1 at F, -1 at
+    the action that frees them (W when the schedule has W's, else B)."""
+    release = "W" if any(a.startswith("W") for a in order) else "B"
+    held = peak = 0
+    for action in order:
+        held += {"F": 1, release: -1}.get(action[0], 0)
+        peak = max(peak, held)
+    return peak
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def message_plan(order: list[str], num_stages: int, stage_rank, nbytes: int, group_ranks) -> list:
+    """The messages a rank running ``order`` posts, in order, as (Op, tag, what): F(i, s)
+    receives its input from stage s - 1 (s > 0) and sends its output to s + 1 (s < last);
+    B(i, s) receives its output's gradient from s + 1 (s < last) and sends its input's
+    gradient to s - 1 (s > 0); W sends nothing. Each message is one micro-batch's activation
+    (``nbytes``), to or from the global rank ``stage_rank(stage)``."""
+    from labkit.pp import message_tag
+    plan, last = [], num_stages - 1
+    for action in order:
+        kind, i, s = parse(action)
+        if kind == "F":
+            if s > 0:
+                plan.append(p2p("recv", i, s - 1, s, False, stage_rank, nbytes, group_ranks, message_tag))
+            if s < last:
+                plan.append(p2p("send", i, s, s + 1, False, stage_rank, nbytes, group_ranks, message_tag))
+        elif kind == "B":
+            if s < last:
+                plan.append(p2p("recv", i, s + 1, s, True, stage_rank, nbytes, group_ranks, message_tag))
+            if s > 0:
+                plan.append(p2p("send", i, s, s - 1, True, stage_rank, nbytes, group_ranks, message_tag))
+    return plan
+
+
+def p2p(kind, microbatch, source, destination, backward, stage_rank, nbytes, group_ranks, message_tag):
+    """One message of micro-batch ``microbatch`` from stage ``source`` to ``destination``."""
+    mine, other = (source, destination) if kind == "send" else (destination, source)
+    what = (f"stage {mine} (global rank {stage_rank(mine)}) {'sending' if kind == 'send' else 'receiving'} "
+            f"micro-batch {microbatch}'s {'gradient' if backward else 'activation'} "
+            f"{'to' if kind == 'send' else 'from'} stage {other}")
+    return Op(kind, nbytes, group_ranks, stage_rank(other)), message_tag(microbatch, destination, backward), what
+
+
+class StageTracer(CommTracer):
+    """A ``CommTracer`` that holds a stage to its message plan while it runs.
+
+    Every send and receive is compared, before the transport sees it, with the next message
+    of ``plan`` (kind, bytes, group, global peer, tag): a wrong peer, tag or size fails
+    naming it, where it would otherwise hang two ranks or mix up two messages; a message
+    beyond the plan fails as extra. A receive must have completed (been waited on) before
+    anything else is posted (``recv_*`` are blocking). With ``async_sends``, a send waited
+    on before any computation ran while it was in flight fails at that wait: the same rule
+    as ``assert_overlap``, applied before a blocking wait could hang."""
+
+    def __init__(self, what: str, plan: list, async_sends: bool = False):
+        super().__init__()
+        self.what, self.plan, self.async_sends = what, plan, async_sends
+        self.posted = 0                    # messages of the plan posted so far
+        self.labels: dict[int, str] = {}   # event index -> what the message is
+        self.done: set[int] = set()        # event indices waited on
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kind = OP_KINDS.get(func._opname) if func.namespace == "c10d" else None
+        if kind in ("send", "recv"):
+            self._check_next(kind, func, args, kwargs or {})
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _check_next(self, kind, func, args, kwargs) -> None:
+        self.assert_received()
+        event = self._event(kind, func, args, kwargs, None, 0.0)
+        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        got, tag = Op(kind, event.bytes, event.group, event.peer), named.get("tag")
+        if self.posted >= len(self.plan):
+            raise AssertionError(f"{self.what}: an extra {got!r} (tag {tag}): this stage's "
+                                 f"{len(self.plan)} messages were all posted already, and nothing else may be")
+        want, want_tag, label = self.plan[self.posted]
+        if (got, tag) != (want, want_tag):
+            fields = (("a", got[0], want[0], ""), ("bytes:", got[1], want[1], ""),
+                      ("peer: global rank", got[3], want[3], ""),
+                      ("group: ranks", got[2], want[2], " (the pipeline's messages go over its group: group=group)"),
+                      ("tag", tag, want_tag, ""))
+            wrong = [f"{name} {g} instead of {w}{hint}" for name, g, w, hint in fields if g != w]
+            raise AssertionError(f"{self.what}: {label}: posted a {got!r} with tag {tag}; expected a "
+                                 f"{want!r} with tag {want_tag} (message_tag(micro-batch, receiving stage, "
+                                 f"backward)): " + ", ".join(wrong))
+        self.labels[len(self.events)] = label  # the index its event will have
+        self.posted += 1
+
+    def _waited(self, entry) -> None:
+        super()._waited(entry)
+        if entry is None:
+            return
+        index = entry[1]
+        self.done.add(index)
+        if not self.async_sends or self.events[index].kind != "send":
+            return
+        posted = next(n for n, s in enumerate(self.timeline) if s.what == "post" and s.event == index)
+        if not any(s.what == "compute" for s in self.timeline[posted:]):
+            raise AssertionError(
+                f"{self.what}: {self.labels.get(index, 'a send')}: the send was waited on before any "
+                f"computation ran while it was in flight (no overlap): send_forward/send_backward post "
+                f"it (dist.isend) and return its work; the stage computes, and waits later")
+
+    def assert_received(self) -> None:
+        """Every receive posted so far has completed."""
+        for index, event in enumerate(self.events):
+            if event.kind == "recv" and index not in self.done:
+                raise AssertionError(f"{self.what}: {self.labels.get(index, 'a receive')}: it returned "
+                                     f"before the message arrived (never waited on): recv_forward/recv_backward "
+                                     f"block until the buffer holds the message")
+
+    def assert_plan_done(self) -> None:
+        """Every message of the plan was posted."""
+        missing = self.plan[self.posted:]
+        if missing:
+            raise AssertionError(f"{self.what}: {len(missing)} message(s) of this stage never posted, "
+                                 f"the first: {missing[0][2]} ({missing[0][0]!r})")
 
 
 # ----------------------------------------------------------------------------- on every rank
@@ -91,15 +256,44 @@ def tokens(m: int):
     return markov_tokens(STEPS * m * BATCH_PER_MICRO, 8, 32, seed=6)
 
 
+def step_ops(order: list[str], cfg, num_stages: int, tokens_per_sequence: int, members=None):
+    """This rank's whole communication in one step of ``order``: the message plan (see
+    ``message_plan``; one message = one micro-batch's activation, B x T x hidden float64)
+    and the Ops of the trace: those messages, plus one all-reduce of the tied embedding's
+    gradient (vocab x hidden float64) between the ranks of the first and last stages."""
+    members = members or list(range(dist.get_world_size()))
+    p = len(members)
+    activation = BATCH_PER_MICRO * tokens_per_sequence * cfg.n_embd * FLOAT64
+    plan = message_plan(order, num_stages, lambda s: members[s % p], activation, members)
+    ops = [op for op, _, _ in plan]
+    ends = sorted({members[0], members[(num_stages - 1) % p]})
+    if cfg.tie_weights and len(ends) == 2 and dist.get_rank() in ends:
+        ops.append(Op("all_reduce", cfg.vocab_size * cfg.n_embd * FLOAT64, ends))
+    return plan, ops
+
+
+def check_table_first(kind: str, p: int, m: int, v: int, rank: int) -> list:
+    """This rank's list from the learner's schedule, compared with the table before it runs."""
+    actions = schedule_of(kind, p, m, v)[rank]
+    got, want = [repr(a) for a in actions], expected_order(kind, p, m, rank, v)
+    assert got == want, (f"{SCHEDULES[kind]}: p={p}, m={m}" + (f", v={v}" if kind == "interleaved" else "")
+                         + f": rank {rank}'s list is {got}; the schedule's rule gives {want}")
+    return actions
+
+
 def train_pipeline(kind: str, m: int, v: int, tie: bool, check_against_reference: bool):
     """Our pipeline on this rank; per step the loss (on the last stage's rank) and, when
-    checking, every gradient against the single-process GPT. Returns (losses, traces)."""
+    checking, every gradient against the single-process GPT. The first step's communication
+    is traced and must be exactly the table's messages (and the tied all-reduce).
+    Returns (losses, traces)."""
     from labkit import pp
     from labkit.models import GPT
     task_id = SCHEDULES[kind]
     p, rank = dist.get_world_size(), dist.get_rank()
     stages_total = p * v
-    model, reference = GPT(config(p, v, tie)).double(), GPT(config(p, v, tie)).double()
+    actions = check_table_first(kind, p, m, v, rank)
+    cfg = config(p, v, tie)
+    model, reference = GPT(cfg).double(), GPT(cfg).double()
     stages = pp.split_gpt(model, stages_total)
     mine = {s: stages[s] for s in range(stages_total) if pp.rank_of_stage(s, p) == rank}
     runner = pp.PipelineRunner(mine, stages_total, deferred_weights=kind == "zero_bubble")
@@ -107,13 +301,20 @@ def train_pipeline(kind: str, m: int, v: int, tie: bool, check_against_reference
     ours = [q for stage in mine.values() for q in dict.fromkeys(stage.parameters())]
     opt, opt_ref = torch.optim.AdamW(ours, lr=1e-2), torch.optim.AdamW(reference.parameters(), lr=1e-2)
     reference_params = dict(reference.named_parameters())
-    actions = schedule_of(kind, p, m, v)[rank]
     x, y = tokens(m)
     losses, traces = [], []
     for step in range(STEPS):
         size = m * BATCH_PER_MICRO
         xb, yb = x[step * size:(step + 1) * size], y[step * size:(step + 1) * size]
-        loss, trace = runner.step(actions, xb, yb, m, pp.gpt_loss)
+        if step == 0:
+            what = f"{task_id}: {kind}, p={p}, m={m}, rank {rank}, step 0"
+            plan, ops = step_ops(expected_order(kind, p, m, rank, v), cfg, stages_total, xb.shape[1])
+            with StageTracer(what, plan) as tracer:
+                loss, trace = runner.step(actions, xb, yb, m, pp.gpt_loss)
+            tracer.assert_plan_done()
+            assert_ops(tracer, ops, what)
+        else:
+            loss, trace = runner.step(actions, xb, yb, m, pp.gpt_loss)
         traces.append(trace)
         if check_against_reference:
             expected = reference(xb, yb)[1]
@@ -139,10 +340,12 @@ def check_order_and_flight(kind: str, m: int, v: int, traces) -> None:
     expected = expected_order(kind, p, m, rank, v)
     assert executed == expected, (f"{task_id}: p={p}, m={m}: rank {rank} ran {executed}; the schedule's "
                                   f"table says {expected}")
-    if kind in ("gpipe", "1f1b"):
-        peak = traces[-1].peak_in_flight[rank]
-        assert peak == micro_batch_counts(kind, p, m)[rank], \
-            f"{task_id}: p={p}, m={m}: stage {rank} held {peak} micro-batches at once; expected {micro_batch_counts(kind, p, m)[rank]}"
+    # GPipe, 1F1B, ZB-H1: the runner's count of micro-batches holding activations on the
+    # stage; interleaved: over the rank's v chunks, along the order it ran.
+    peak = in_flight_peak(executed) if kind == "interleaved" else traces[-1].peak_in_flight[rank]
+    want = micro_batch_counts(kind, p, m, v)[rank]
+    assert peak == want, (f"{task_id}: p={p}, m={m}: rank {rank} held {peak} micro-batches' activations "
+                          f"at once; the schedule keeps {want}")
 
 
 def measured_micro_batches(kind: str, m: int) -> float:
@@ -281,36 +484,109 @@ def test_split_gpt_composes_back_to_the_model():
         split_gpt(GPT(config(2, 1)), 3)
 
 
-def p2p_on_rank(members=None):
-    """Stages on the ranks of ``members`` (a subgroup, as the pipeline axis of a mesh; None:
-    every rank) pass activations forward and gradients back, micro-batches out of order."""
+def p2p_on_rank(subgroups=None):
+    """Stages on the whole world, or on each of ``subgroups`` (pipeline axes of a mesh),
+    pass activations forward and gradients back, then run a GPipe step through the runner."""
+    torch.set_num_threads(1)
+    # Every rank takes part in making every group, even those outside it.
+    groups = [(members, dist.new_group(members)) for members in subgroups] if subgroups else [(None, None)]
+    for members, group in groups:
+        if members and dist.get_rank() not in members:
+            continue
+        exchange_on_rank(members, group)
+        runner_step_on_rank(members, group)
+
+
+def exchange_on_rank(members, group) -> None:
+    """Each stage sends micro-batches 2, 0, 1 forward and 1, 2, 0 back (out of order: the
+    tags keep them apart), computes while its sends are in flight, then waits for them. The
+    messages posted must be exactly these, to and from global ranks, as they are posted."""
     from labkit import pp
-    from labkit.comm import CommTracer
-    group = dist.new_group(members) if members else None
-    if members and dist.get_rank() not in members:
-        return
-    p, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape = (2, 3)
-    with CommTracer() as tracer:
-        works = []
-        if rank < p - 1:  # send micro-batches out of order: the tags must keep them apart
+    ranks = members or list(range(dist.get_world_size()))
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    shape, dtype = (2, 3), torch.float32
+    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    where = f"sub-group {members}" if members else "the whole world"
+    what = f"pp.p2p: {p} stages on {where}, stage {r} (global rank {ranks[r]})"
+
+    def message(kind, microbatch, source, destination, backward):
+        return p2p(kind, microbatch, source, destination, backward, ranks.__getitem__, nbytes, ranks,
+                   pp.message_tag)
+
+    plan = []
+    if r < p - 1:
+        plan += [message("send", i, r, r + 1, False) for i in (2, 0, 1)]
+    if r > 0:
+        plan += [message("recv", i, r - 1, r, False) for i in (0, 1, 2)]
+        plan += [message("send", i, r, r - 1, True) for i in (1, 2, 0)]
+    if r < p - 1:
+        plan += [message("recv", i, r + 1, r, True) for i in (0, 1, 2)]
+
+    def sent(work, function):
+        assert callable(getattr(work, "wait", None)), \
+            f"{what}: {function} returned {work!r}, not the send's work (what dist.isend returns): the caller waits on it"
+        return work
+
+    works, kept = [], []  # the sent tensors stay referenced until their sends complete
+    with StageTracer(what, plan, async_sends=True) as tracer:
+        if r < p - 1:
             for i in (2, 0, 1):
-                works.append(pp.send_forward(torch.full(shape, 10.0 * rank + i), i, rank, p, group))
-        if rank > 0:
+                kept.append(torch.full(shape, 10.0 * r + i))
+                works.append(sent(pp.send_forward(kept[-1], i, r, p, group), "send_forward"))
+        if r > 0:
             for i in (0, 1, 2):
-                got = pp.recv_forward(shape, torch.float32, i, rank, p, group)
-                assert torch.equal(got, torch.full(shape, 10.0 * (rank - 1) + i)), \
-                    f"pp.p2p: stage {rank} received {got[0, 0].item()} for micro-batch {i} from the previous stage"
+                got = pp.recv_forward(shape, dtype, i, r, p, group)
+                tracer.assert_received()
+                assert torch.equal(got, torch.full(shape, 10.0 * (r - 1) + i)), \
+                    f"{what}: received {got[0, 0].item()} for micro-batch {i} from the previous stage"
             for i in (1, 2, 0):
-                works.append(pp.send_backward(torch.full(shape, -10.0 * rank - i), i, rank, p, group))
-        if rank < p - 1:
+                kept.append(torch.full(shape, -10.0 * r - i))
+                works.append(sent(pp.send_backward(kept[-1], i, r, p, group), "send_backward"))
+        if r < p - 1:
             for i in (0, 1, 2):
-                got = pp.recv_backward(shape, torch.float32, i, rank, p, group)
-                assert torch.equal(got, torch.full(shape, -10.0 * (rank + 1) - i)), \
-                    f"pp.p2p: stage {rank} received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
+                got = pp.recv_backward(shape, dtype, i, r, p, group)
+                tracer.assert_received()
+                assert torch.equal(got, torch.full(shape, -10.0 * (r + 1) - i)), \
+                    f"{what}: received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
+        work_meanwhile = torch.ones(8, 8) @ torch.ones(8, 8)  # the stage computes while its sends travel
         for work in works:
             work.wait()
-    assert tracer.kinds() <= {"send", "recv"}, f"pp.p2p: use point-to-point messages only; traced {tracer.summary()}"
+    del work_meanwhile
+    tracer.assert_plan_done()
+    assert_ops(tracer, [op for op, _, _ in plan], what)
+    assert_overlap(tracer, what, kinds=("send",))
+
+
+def runner_step_on_rank(members, group, m: int = 2) -> None:
+    """One GPipe step (the table written here, not the learner's) of a GPT with one block per
+    stage, through ``PipelineRunner`` on ``group``: the messages are exactly the table's,
+    between global ranks, and the loss and gradients those of the single-process GPT."""
+    from labkit import pp
+    from labkit.models import GPT
+    ranks = members or list(range(dist.get_world_size()))
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    where = f"sub-group {members}" if members else "the whole world"
+    what = f"pp.p2p: a GPipe step through the runner, {p} stages on {where}, m={m}, stage {r} (global rank {ranks[r]})"
+    cfg = config(p, 1, tie=False)  # a tied pair of ranks inside a sub-group is not supported
+    model, reference = GPT(cfg).double(), GPT(cfg).double()
+    stage = pp.StageModule(model, range(r, r + 1), first=r == 0, last=r == p - 1)
+    order = expected_order("gpipe", p, m, r)
+    runner = pp.PipelineRunner({r: stage}, p, group=group)
+    x, y = tokens(m)
+    xb, yb = x[:m * BATCH_PER_MICRO], y[:m * BATCH_PER_MICRO]
+    plan, ops = step_ops(order, cfg, p, xb.shape[1], ranks)
+    with StageTracer(what, plan) as tracer:
+        loss, _ = runner.step([pp.Action(*parse(a)) for a in order], xb, yb, m, pp.gpt_loss)
+    tracer.assert_plan_done()
+    assert_ops(tracer, ops, what)
+    expected = reference(xb, yb)[1]
+    expected.backward()
+    if loss is not None:
+        assert_close(loss, expected.detach(), f"{what}: loss")
+    names, reference_params = {id(q): n for n, q in model.named_parameters()}, dict(reference.named_parameters())
+    for q in stage.parameters():
+        assert q.grad is not None, f"{what}: {names[id(q)]} got no gradient"
+        assert_close(q.grad, reference_params[names[id(q)]].grad, f"{what}: gradient of {names[id(q)]}")
 
 
 @task("pp.p2p", points=3)
@@ -321,8 +597,8 @@ def test_activations_and_gradients_reach_their_stage(world_size):
 
 @task("pp.p2p", points=1)
 def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
-    # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3
-    run_graded("pp.p2p", p2p_on_rank, 4, [1, 2, 3])
+    # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3
+    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS)
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -363,18 +639,35 @@ def test_zero_bubble_trains_like_one_process(world_size):
 
 
 def table_and_bad_arguments(kind: str) -> None:
-    """In this process: the schedule's whole table (every rank) for a few shapes, a clock
-    run of it that finishes, and ValueError for arguments it cannot take."""
+    """In this process: the schedule's whole table (every rank) for a few shapes, its run on
+    the unit-cost clock (it finishes, with the chapter's bubble and micro-batches in flight),
+    and ValueError for arguments it cannot take."""
     from labkit import pp
     task_id = SCHEDULES[kind]
-    shapes = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8, 9)
-              if kind != "interleaved" or m % p == 0]
-    for p, m in shapes:
-        table = schedule_of(kind, p, m, 2)
+    shapes = [(p, m, v) for p in (1, 2, 3, 4) for m in (1, 2, 3, 4, 5, 8, 9)
+              for v in ((1, 2, 3) if kind == "interleaved" else (1,)) if kind != "interleaved" or m % p == 0]
+    for p, m, v in shapes:
+        shape = f"p={p}, m={m}" + (f", v={v}" if kind == "interleaved" else "")
+        table = schedule_of(kind, p, m, v)
         got = [[repr(a) for a in actions] for actions in table]
-        want = [expected_order(kind, p, m, r, 2) for r in range(p)]
-        assert got == want, f"{task_id}: p={p}, m={m}: your table {got}; expected {want}"
-        pp.simulate(table)  # raises if the lists could never finish
+        want = [expected_order(kind, p, m, r, v) for r in range(p)]
+        assert got == want, f"{task_id}: {shape}: your table {got}; expected {want}"
+        clock = pp.simulate(table)  # raises if the lists could never finish
+        peaks = micro_batch_counts(kind, p, m, v)
+        assert clock.peak_in_flight == peaks, \
+            f"{task_id}: {shape}: on the clock the ranks hold {clock.peak_in_flight} micro-batches at most; expected {peaks}"
+        if kind == "zero_bubble":
+            # F, B, W one unit each: each rank works 3m units; ZB-H1 idles p - 1 of them once
+            # m >= p, a third of 1F1B's 3 (p - 1)
+            if m >= p:
+                assert clock.makespan == 3 * m + p - 1, \
+                    (f"{task_id}: {shape}: the step takes {clock.makespan:g} units on the clock; ZB-H1 "
+                     f"takes 3m + p - 1 = {3 * m + p - 1} (a bubble of p - 1, a third of 1F1B's)")
+        else:
+            bubble = (p - 1) / (v * m + p - 1)
+            assert abs(clock.bubble() - bubble) < 1e-9, \
+                (f"{task_id}: {shape}: the bubble on the clock is {clock.bubble():.4f}; the chapter's "
+                 f"(p - 1) / (v m + p - 1) is {bubble:.4f}")
     bad = [(lambda: schedule_of(kind, 2, 0, 2), "micro-batch"), (lambda: schedule_of(kind, 0, 4, 2), "rank")]
     if kind == "interleaved":
         bad += [(lambda: pp.interleaved_1f1b(3, 4, 2), "multiple"), (lambda: pp.interleaved_1f1b(2, 4, 0), "num_chunks")]
