@@ -197,11 +197,10 @@ class StageTracer(CommTracer):
             fields = (("a", got[0], want[0], ""), ("bytes:", got[1], want[1], ""),
                       ("peer: global rank", got[3], want[3], ""),
                       ("group: ranks", got[2], want[2], " (the pipeline's messages go over its group: group=group)"),
-                      ("tag", tag, want_tag, ""))
+                      ("tag", tag, want_tag, " (message_tag(micro-batch, receiving stage, backward))"))
             wrong = [f"{name} {g} instead of {w}{hint}" for name, g, w, hint in fields if g != w]
-            raise AssertionError(f"{self.what}: {label}: posted a {got!r} with tag {tag}; expected a "
-                                 f"{want!r} with tag {want_tag} (message_tag(micro-batch, receiving stage, "
-                                 f"backward)): " + ", ".join(wrong))
+            raise AssertionError(f"{self.what}: {label}: " + ", ".join(wrong) + f" (posted a {got!r} with "
+                                 f"tag {tag}; expected a {want!r} with tag {want_tag})")
         self.labels[len(self.events)] = label  # the index its event will have
         self.posted += 1
 
@@ -467,7 +466,9 @@ def test_partition_is_contiguous_balanced_and_refuses_too_many_stages():
 def test_split_gpt_composes_back_to_the_model():
     from labkit.models import GPT
     from labkit.pp import layer_costs, partition, split_gpt
-    for p, balance in ((1, "params"), (2, "params"), (3, "layers"), (4, "params")):
+    # 3 stages of 4 blocks: by parameters [0], [1, 2], [3] (the first holds the embeddings);
+    # by layers [0, 1], [2], [3]
+    for p, balance in ((1, "params"), (2, "params"), (3, "params"), (3, "layers"), (4, "params")):
         model = GPT(config(4, 1)).double()
         x, _ = tokens(1)
         stages = split_gpt(model, p, balance)
@@ -506,8 +507,8 @@ def exchange_on_rank(members, group) -> None:
     p, r = dist.get_world_size(group), dist.get_rank(group)
     shape, dtype = (2, 3), torch.float32
     nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
-    where = f"sub-group {members}" if members else "the whole world"
-    what = f"pp.p2p: {p} stages on {where}, stage {r} (global rank {ranks[r]})"
+    where = f"pp.p2p: {p} stages on " + (f"sub-group {members}" if members else "the whole world")
+    what = f"{where}, stage {r} (global rank {ranks[r]})"
 
     def message(kind, microbatch, source, destination, backward):
         return p2p(kind, microbatch, source, destination, backward, ranks.__getitem__, nbytes, ranks,
@@ -528,7 +529,7 @@ def exchange_on_rank(members, group) -> None:
         return work
 
     works, kept = [], []  # the sent tensors stay referenced until their sends complete
-    with StageTracer(what, plan, async_sends=True) as tracer:
+    with StageTracer(where, plan, async_sends=True) as tracer:
         if r < p - 1:
             for i in (2, 0, 1):
                 kept.append(torch.full(shape, 10.0 * r + i))
@@ -565,8 +566,9 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
     from labkit.models import GPT
     ranks = members or list(range(dist.get_world_size()))
     p, r = dist.get_world_size(group), dist.get_rank(group)
-    where = f"sub-group {members}" if members else "the whole world"
-    what = f"pp.p2p: a GPipe step through the runner, {p} stages on {where}, m={m}, stage {r} (global rank {ranks[r]})"
+    where = (f"pp.p2p: a GPipe step through the runner, {p} stages on "
+             + (f"sub-group {members}" if members else "the whole world") + f", m={m}")
+    what = f"{where}, stage {r} (global rank {ranks[r]})"
     cfg = config(p, 1, tie=False)  # a tied pair of ranks inside a sub-group is not supported
     model, reference = GPT(cfg).double(), GPT(cfg).double()
     stage = pp.StageModule(model, range(r, r + 1), first=r == 0, last=r == p - 1)
@@ -575,7 +577,7 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
     x, y = tokens(m)
     xb, yb = x[:m * BATCH_PER_MICRO], y[:m * BATCH_PER_MICRO]
     plan, ops = step_ops(order, cfg, p, xb.shape[1], ranks)
-    with StageTracer(what, plan) as tracer:
+    with StageTracer(where, plan) as tracer:
         loss, _ = runner.step([pp.Action(*parse(a)) for a in order], xb, yb, m, pp.gpt_loss)
     tracer.assert_plan_done()
     assert_ops(tracer, ops, what)
