@@ -96,6 +96,18 @@ def expected_order(kind: str, p: int, m: int, rank: int, v: int = 2) -> list[str
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
+# Tables drawn in the papers, written out by hand (micro-batches counted from 0): they check
+# the rules above as much as the learner's code. GPipe (Huang et al. 2019, fig. 2) and 1F1B
+# (Narayanan et al. 2021, fig. 4 top: 4 devices, 8 micro-batches).
+DRAWN = {
+    ("gpipe", 4, 4): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 4,
+    ("1f1b", 4, 8): ["F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+                     "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+                     "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+                     "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"],
+}
+
+
 def micro_batch_counts(kind: str, p: int, m: int, v: int = 1) -> list[int]:
     """The schedule's peak of micro-batches in flight per rank (all chunks together): GPipe
     all m; 1F1B p - s; ZB-H1 p (W's hold their inputs longer); interleaved w + 1."""
@@ -653,6 +665,9 @@ def table_and_bad_arguments(kind: str) -> None:
         table = schedule_of(kind, p, m, v)
         got = [[repr(a) for a in actions] for actions in table]
         want = [expected_order(kind, p, m, r, v) for r in range(p)]
+        if (kind, p, m) in DRAWN:
+            drawn = [[f"{a}s{r}" for a in row.split()] for r, row in enumerate(DRAWN[kind, p, m])]
+            assert want == drawn, f"{task_id}: the test's own table for {shape} is not the paper's figure"
         assert got == want, f"{task_id}: {shape}: your table {got}; expected {want}"
         clock = pp.simulate(table)  # raises if the lists could never finish
         peaks = micro_batch_counts(kind, p, m, v)
