@@ -96,6 +96,18 @@ def expected_order(kind: str, p: int, m: int, rank: int, v: int = 2) -> list[str
     return order + [bwd(k) for k in range(total - warmup, total)]
 
 
+# Tables drawn in the papers, written out by hand (micro-batches counted from 0): they check
+# the rules above as much as the learner's code. GPipe (Huang et al. 2019, fig. 2) and 1F1B
+# (Narayanan et al. 2021, fig. 4 top: 4 devices, 8 micro-batches).
+DRAWN = {
+    ("gpipe", 4, 4): ["F0 F1 F2 F3 B0 B1 B2 B3"] * 4,
+    ("1f1b", 4, 8): ["F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7",
+                     "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7",
+                     "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7",
+                     "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"],
+}
+
+
 def micro_batch_counts(kind: str, p: int, m: int, v: int = 1) -> list[int]:
     """The schedule's peak of micro-batches in flight per rank (all chunks together): GPipe
     all m; 1F1B p - s; ZB-H1 p (W's hold their inputs longer); interleaved w + 1."""
@@ -197,11 +209,10 @@ class StageTracer(CommTracer):
             fields = (("a", got[0], want[0], ""), ("bytes:", got[1], want[1], ""),
                       ("peer: global rank", got[3], want[3], ""),
                       ("group: ranks", got[2], want[2], " (the pipeline's messages go over its group: group=group)"),
-                      ("tag", tag, want_tag, ""))
+                      ("tag", tag, want_tag, " (message_tag(micro-batch, receiving stage, backward))"))
             wrong = [f"{name} {g} instead of {w}{hint}" for name, g, w, hint in fields if g != w]
-            raise AssertionError(f"{self.what}: {label}: posted a {got!r} with tag {tag}; expected a "
-                                 f"{want!r} with tag {want_tag} (message_tag(micro-batch, receiving stage, "
-                                 f"backward)): " + ", ".join(wrong))
+            raise AssertionError(f"{self.what}: {label}: " + ", ".join(wrong) + f" (posted a {got!r} with "
+                                 f"tag {tag}; expected a {want!r} with tag {want_tag})")
         self.labels[len(self.events)] = label  # the index its event will have
         self.posted += 1
 
@@ -467,7 +478,9 @@ def test_partition_is_contiguous_balanced_and_refuses_too_many_stages():
 def test_split_gpt_composes_back_to_the_model():
     from labkit.models import GPT
     from labkit.pp import layer_costs, partition, split_gpt
-    for p, balance in ((1, "params"), (2, "params"), (3, "layers"), (4, "params")):
+    # 3 stages of 4 blocks: by parameters [0], [1, 2], [3] (the first holds the embeddings);
+    # by layers [0, 1], [2], [3]
+    for p, balance in ((1, "params"), (2, "params"), (3, "params"), (3, "layers"), (4, "params")):
         model = GPT(config(4, 1)).double()
         x, _ = tokens(1)
         stages = split_gpt(model, p, balance)
@@ -506,8 +519,8 @@ def exchange_on_rank(members, group) -> None:
     p, r = dist.get_world_size(group), dist.get_rank(group)
     shape, dtype = (2, 3), torch.float32
     nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
-    where = f"sub-group {members}" if members else "the whole world"
-    what = f"pp.p2p: {p} stages on {where}, stage {r} (global rank {ranks[r]})"
+    where = f"pp.p2p: {p} stages on " + (f"sub-group {members}" if members else "the whole world")
+    what = f"{where}, stage {r} (global rank {ranks[r]})"
 
     def message(kind, microbatch, source, destination, backward):
         return p2p(kind, microbatch, source, destination, backward, ranks.__getitem__, nbytes, ranks,
@@ -528,7 +541,7 @@ def exchange_on_rank(members, group) -> None:
         return work
 
     works, kept = [], []  # the sent tensors stay referenced until their sends complete
-    with StageTracer(what, plan, async_sends=True) as tracer:
+    with StageTracer(where, plan, async_sends=True) as tracer:
         if r < p - 1:
             for i in (2, 0, 1):
                 kept.append(torch.full(shape, 10.0 * r + i))
@@ -565,8 +578,9 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
     from labkit.models import GPT
     ranks = members or list(range(dist.get_world_size()))
     p, r = dist.get_world_size(group), dist.get_rank(group)
-    where = f"sub-group {members}" if members else "the whole world"
-    what = f"pp.p2p: a GPipe step through the runner, {p} stages on {where}, m={m}, stage {r} (global rank {ranks[r]})"
+    where = (f"pp.p2p: a GPipe step through the runner, {p} stages on "
+             + (f"sub-group {members}" if members else "the whole world") + f", m={m}")
+    what = f"{where}, stage {r} (global rank {ranks[r]})"
     cfg = config(p, 1, tie=False)  # a tied pair of ranks inside a sub-group is not supported
     model, reference = GPT(cfg).double(), GPT(cfg).double()
     stage = pp.StageModule(model, range(r, r + 1), first=r == 0, last=r == p - 1)
@@ -575,7 +589,7 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
     x, y = tokens(m)
     xb, yb = x[:m * BATCH_PER_MICRO], y[:m * BATCH_PER_MICRO]
     plan, ops = step_ops(order, cfg, p, xb.shape[1], ranks)
-    with StageTracer(what, plan) as tracer:
+    with StageTracer(where, plan) as tracer:
         loss, _ = runner.step([pp.Action(*parse(a)) for a in order], xb, yb, m, pp.gpt_loss)
     tracer.assert_plan_done()
     assert_ops(tracer, ops, what)
@@ -651,6 +665,9 @@ def table_and_bad_arguments(kind: str) -> None:
         table = schedule_of(kind, p, m, v)
         got = [[repr(a) for a in actions] for actions in table]
         want = [expected_order(kind, p, m, r, v) for r in range(p)]
+        if (kind, p, m) in DRAWN:
+            drawn = [[f"{a}s{r}" for a in row.split()] for r, row in enumerate(DRAWN[kind, p, m])]
+            assert want == drawn, f"{task_id}: the test's own table for {shape} is not the paper's figure"
         assert got == want, f"{task_id}: {shape}: your table {got}; expected {want}"
         clock = pp.simulate(table)  # raises if the lists could never finish
         peaks = micro_batch_counts(kind, p, m, v)
