@@ -104,7 +104,9 @@ def test_run_autograder_scores_a_submission(bundle, tmp_path, name):
     hidden = [t for t in results["tests"] if "hidden" in t["name"]]
     assert len(hidden) == 1 and hidden[0]["visibility"] == "after_published", hidden
     if name == "hang":  # four hung tests (the hidden one too), each cut at the limit; the rest skip
-        assert elapsed < 4 * LIMIT + 60, elapsed
+        # Cut at the limit: a hang that escaped it sleeps an hour. 4 x LIMIT plus start-up is
+        # about 40 s on a quiet machine and 83 s has been seen on a loaded one.
+        assert elapsed < 300, f"{elapsed:.0f} s: a hung test was not cut at its {LIMIT}-s limit"
         hung = [t for t in results["tests"] if "no result within" in t["output"]]
         assert len(hung) == 4, [t["output"][:200] for t in results["tests"]]
         assert any("skipped: hung at world size 1" in t["output"] for t in results["tests"])

@@ -220,7 +220,7 @@ def test_every_lab_runs_on_the_stubs_and_says_what_is_missing(student, lab):
 
 def test_a_deadlocking_ring_grades_in_seconds_with_every_wait_named(tmp_path):
     """The classic ring deadlock (every rank does a blocking recv before its send) in the
-    all-gather, the other two tasks solved: chapter 00 grades in well under a minute, every
+    all-gather, the other two tasks solved: chapter 00 grades without waiting for any launch timeout, every
     hung test named as a deadlock with each rank's wait, its other world sizes not re-run."""
     tree = tmp_path / "workspace"
     proc = run_in(ROOT, "-m", "labkit.course.cli", "workspace", str(tree))
@@ -234,7 +234,10 @@ def test_a_deadlocking_ring_grades_in_seconds_with_every_wait_named(tmp_path):
     start = time.monotonic()
     proc, results = graded(tree, tmp_path / "results.json", "collectives")
     elapsed = time.monotonic() - start
-    assert elapsed < 60, f"grading took {elapsed:.0f} s"
+    # Each deadlock is named by the detector ("deadlock after" below), not cut by the 60-s
+    # launch timeout: three hung tests left to that timeout would take over 180 s. 65 s has
+    # been seen on a loaded 2-core machine, hence the margin.
+    assert elapsed < 170, f"grading took {elapsed:.0f} s: a deadlock waited for the launch timeout"
     outputs = {t["name"].split("::")[-1]: t["output"] for t in results["tests"]}
     assert results["score"] == 3, proc.stdout  # reduce-scatter 3/3; all-gather and all-reduce lose all
     deadlocked = [name for name, out in outputs.items() if "deadlock after" in out]
