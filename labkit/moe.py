@@ -46,7 +46,9 @@ N ranks' losses (one process on the global batch, routed in the same N slices):
   every token of the EP group routed to it (the ep ranks' losses). The dp copies of the
   expert saw the other EP groups' tokens: grad = (1/N) sum over its DP group, an all-reduce
   over the dp ranks holding that expert, divided by N (not by dp: each copy already holds ep
-  ranks' worth). Megatron-LM scales its expert gradients the same way.
+  ranks' worth). Megatron-LM does the same: its DDP sums expert gradients over the expert-data-
+  parallel group and scales them, like the dense ones, by 1 / the full data-parallel size
+  (megatron/core/distributed/distributed_data_parallel.py).
 
 ``labkit.models.GPT`` with ``GPTConfig(n_experts=E, ...)`` is the single-process MoE GPT;
 ``expert_parallel_gpt`` (given) swaps each block's MoE MLP for your ``ExpertParallelMoE``
