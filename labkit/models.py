@@ -72,8 +72,8 @@ class MoEMLP(nn.Module):
     probabilities renormalised to sum to 1. With a capacity factor C an expert keeps at most
     ceil(C k T / E) of the call's T tokens, earliest (token, slot) first; a dropped choice adds
     nothing. After forward, ``aux`` holds the load-balancing loss E sum_e f_e P_e of the call's
-    tokens (Switch, Fedus et al., 2021, arXiv:2101.03961) and ``kept_experts`` the expert of
-    each kept choice, in (token, slot) order.
+    tokens (Switch, Fedus et al., 2021, arXiv:2101.03961), ``experts`` the k choices of each
+    token [T, k] and ``kept_experts`` the expert of each kept choice, in (token, slot) order.
 
     This is the math of ``labkit.moe.reference_moe`` written again in plain torch: a tool may
     not import an exercise. ``labkit.moe.expert_parallel_gpt`` swaps it for the learner's
@@ -104,7 +104,7 @@ class MoEMLP(nn.Module):
             y = y.index_add(0, token, out * weights[token, slot].unsqueeze(1))
         fraction = torch.bincount(experts.reshape(-1), minlength=self.num_experts).to(probs.dtype) / experts.numel()
         self.aux = self.num_experts * (fraction * probs.mean(dim=0)).sum()
-        self.kept_experts = experts[keep]
+        self.experts, self.kept_experts = experts, experts[keep]
         return y.reshape(x.shape)
 
     def _keep(self, experts):

@@ -12,7 +12,8 @@ the row counts derived here from the reference routing of every rank's tokens.
 
 EP x DP (moe.ep_dp): a 2-layer MoE GPT (labkit.models, GPTConfig(n_experts=4)) trained 5 AdamW
 steps with the learner's EP layer on every grid of the world (4 = 2x2, 4x1, 1x4; 2 = 2x1,
-1x2), dropless and with capacity, each rank on its slice of the global batch, against one
+1x2), dropless, with capacity, and with uneven routing (most tokens choose expert 0, which
+then drops at its capacity), each rank on its slice of the global batch, against one
 process holding every expert that runs the same global batch in the same slices (capacity
 and the load-balancing loss are per routing call) and averages their losses: the global loss
 of every step, every dense parameter and this rank's experts after each step, float64. The
@@ -22,6 +23,7 @@ reference's routing), then one all-reduce per dense gradient over the world and 
 expert gradient over the DP group (numel x 8 B): EP groups are consecutive ranks.
 """
 
+import copy
 import math
 from fractions import Fraction
 
@@ -254,6 +256,17 @@ def layer_on_rank() -> None:
 GPT_MOE = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=4, moe_k=2)
 GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}  # (ep, dp)
 PER_RANK, STEPS, LR = 2, 5, 1e-2
+GPT_CASES = [("dropless", None, False), ("capacity 1.0", 1.0, False), ("uneven, capacity 1.0", 1.0, True)]
+
+
+@torch.no_grad()
+def skew_towards_expert_0(gpt) -> None:
+    """Uneven routing in every MoE layer: LayerNorm outputs have zero mean over features, so a
+    constant ln_2 bias is a direction every token shares; lifting expert 0's gate along it
+    raises its logit for all tokens (by 0.5 * 2 * sqrt(H), about 2.8 at H = 8)."""
+    for block in gpt.blocks:
+        block.ln_2.bias.fill_(0.5)
+        block.mlp.gate[0] += 2.0 / math.sqrt(block.mlp.gate.shape[1])
 
 
 def ep_dp_on_rank() -> None:
@@ -270,11 +283,13 @@ def ep_dp_on_rank() -> None:
         grid = ep_dp_grid(n, ep, dp)
         ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
         dp_members = list(range(rank % ep, n, ep))
-        for factor in (None, 1.0):
-            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, {'dropless' if factor is None else f'capacity {factor}'}"
+        for name, factor, uneven in GPT_CASES:
+            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, {name}"
             config = GPTConfig(**GPT_MOE, moe_capacity_factor=factor)
             ref = GPT(config, seed=3).double()
-            model = expert_parallel_gpt(GPT(config, seed=3).double(), grid.group(EP_AXIS))
+            if uneven:
+                skew_towards_expert_0(ref)
+            model = expert_parallel_gpt(copy.deepcopy(ref), grid.group(EP_AXIS))
             opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(ref.parameters(), lr=LR)
             local = config.n_experts // ep
             mine = slice(rank % ep * local, (rank % ep + 1) * local)
@@ -284,11 +299,12 @@ def ep_dp_on_rank() -> None:
                 x, y = data[:, :-1], data[:, 1:]
                 # the reference: every slice through one process holding every expert, losses averaged
                 ref_opt.zero_grad()
-                ref_loss, kept = 0, []
+                ref_loss, kept, chosen = 0, [], []
                 for r in range(n):
                     part = slice(r * PER_RANK, (r + 1) * PER_RANK)
                     ref_loss = ref_loss + ref(x[part], y[part])[1] / n
                     kept.append([block.mlp.kept_experts for block in ref.blocks])
+                    chosen.append([block.mlp.experts for block in ref.blocks])
                 ref_loss.backward()
                 ref_opt.step()
                 mine_part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -324,6 +340,9 @@ def ep_dp_on_rank() -> None:
                     choices = sum(t.numel() for per_rank in kept for t in per_rank)
                     assert choices < n * config.n_layer * PER_RANK * config.block_size * config.moe_k, \
                         "test set-up: capacity 1.0 should drop some choices"
+                if step == 0 and uneven:  # ... and most tokens choose expert 0, in every layer
+                    share = [(t == 0).any(dim=1).float().mean().item() for per_rank in chosen for t in per_rank]
+                    assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
 
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
