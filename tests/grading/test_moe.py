@@ -281,6 +281,11 @@ def ep_dp_on_rank() -> None:
     assert not tracer.events, f"moe.ep_dp: bad grids must fail before any communication, traced {tracer.ops()}"
     for ep, dp in GRIDS[n]:
         grid = ep_dp_grid(n, ep, dp)
+        with CommTracer() as tracer:  # a model whose experts do not split: refused before any communication
+            for bad in ([dict(GPT_MOE, n_experts=2 * ep + 1)] if ep > 1 else []) + [dict(GPT_MOE, n_experts=0)]:
+                with pytest.raises(ValueError):
+                    expert_parallel_gpt(GPT(GPTConfig(**bad)), grid.group(EP_AXIS))
+        assert not tracer.events, f"moe.ep_dp: bad models must fail before any communication, traced {tracer.ops()}"
         ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
         dp_members = list(range(rank % ep, n, ep))
         for name, factor, uneven in GPT_CASES:
