@@ -23,6 +23,12 @@ class GPTConfig:
     n_embd: int = 32
     bias: bool = True  # biases in the Linear and LayerNorm layers
     tie_weights: bool = True  # lm_head reuses the token-embedding matrix
+    # Mixture of experts (chapter 10): n_experts > 0 makes every block's MLP a top-k MoE
+    # (MoEMLP below); 0 keeps the dense MLP, and then the model is exactly as before.
+    n_experts: int = 0
+    moe_k: int = 2  # experts per token
+    moe_capacity_factor: float | None = None  # None: dropless
+    moe_aux_weight: float = 0.01  # times each layer's load-balancing loss, added to the loss
     # No dropout on purpose: the labs compare runs step by step, so training
     # has to be a deterministic function of the seed and the data.
 
@@ -58,6 +64,59 @@ class MLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))
 
 
+class MoEMLP(nn.Module):
+    """A top-k mixture of experts in place of the MLP, one process holding every expert.
+
+    A gate [E, H] sends each token to the k most probable of E expert MLPs
+    gelu(x @ w1[e]) @ w2[e] (w1 [E, H, 4H], w2 [E, 4H, H], no biases), weighted by the k
+    probabilities renormalised to sum to 1. With a capacity factor C an expert keeps at most
+    ceil(C k T / E) of the call's T tokens, earliest (token, slot) first; a dropped choice adds
+    nothing. After forward, ``aux`` holds the load-balancing loss E sum_e f_e P_e of the call's
+    tokens (Switch, Fedus et al., 2021, arXiv:2101.03961), ``experts`` the k choices of each
+    token [T, k] and ``kept_experts`` the expert of each kept choice, in (token, slot) order.
+
+    This is the math of ``labkit.moe.reference_moe`` written again in plain torch: a tool may
+    not import an exercise. ``labkit.moe.expert_parallel_gpt`` swaps it for the learner's
+    ``ExpertParallelMoE``, copying the weights."""
+
+    def __init__(self, config):
+        super().__init__()
+        e, h, k = config.n_experts, config.n_embd, config.moe_k
+        if not 1 <= k <= e:
+            raise ValueError(f"MoE: top-k {k} must be between 1 and the number of experts {e}")
+        if config.moe_capacity_factor is not None and config.moe_capacity_factor <= 0:
+            raise ValueError(f"MoE: capacity factor must be > 0, got {config.moe_capacity_factor}")
+        self.num_experts, self.k, self.capacity_factor = e, k, config.moe_capacity_factor
+        self.gate = nn.Parameter(torch.empty(e, h))
+        self.w1 = nn.Parameter(torch.empty(e, h, 4 * h))
+        self.w2 = nn.Parameter(torch.empty(e, 4 * h, h))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        probs = (tokens @ self.gate.t()).softmax(dim=-1)
+        weights, experts = probs.topk(self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        keep = self._keep(experts)
+        y = torch.zeros_like(tokens)
+        for e in range(self.num_experts):
+            token, slot = torch.nonzero((experts == e) & keep, as_tuple=True)
+            out = F.gelu(tokens[token] @ self.w1[e]) @ self.w2[e]
+            y = y.index_add(0, token, out * weights[token, slot].unsqueeze(1))
+        fraction = torch.bincount(experts.reshape(-1), minlength=self.num_experts).to(probs.dtype) / experts.numel()
+        self.aux = self.num_experts * (fraction * probs.mean(dim=0)).sum()
+        self.experts, self.kept_experts = experts, experts[keep]
+        return y.reshape(x.shape)
+
+    def _keep(self, experts):
+        """Bool [T, k]: each expert takes choices in (token, slot) order up to its capacity."""
+        if self.capacity_factor is None:
+            return torch.ones_like(experts, dtype=torch.bool)
+        capacity = math.ceil(self.capacity_factor * self.k * experts.shape[0] / self.num_experts)
+        one_hot = F.one_hot(experts.reshape(-1), self.num_experts)
+        position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1) - 1  # place in its expert's queue
+        return (position < capacity).reshape(experts.shape)
+
+
 class Block(nn.Module):
     """One transformer layer, pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
 
@@ -66,7 +125,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoEMLP(config) if config.n_experts else MLP(config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -107,6 +166,9 @@ class GPT(nn.Module):
                 module.weight.fill_(1.0)
                 if module.bias is not None:
                     module.bias.zero_()
+            elif isinstance(module, MoEMLP):  # drawn like the Linears, in module order
+                for weight in (module.gate, module.w1, module.w2):
+                    weight.normal_(0.0, 0.02, generator=gen)
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
@@ -118,7 +180,10 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))  # [B, T, vocab_size]
         if targets is None:
             return logits, None
-        return logits, self.loss(logits, targets)
+        loss = self.loss(logits, targets)
+        if self.config.n_experts:  # each MoE layer's load-balancing loss, kept by its forward
+            loss = loss + self.config.moe_aux_weight * sum(block.mlp.aux for block in self.blocks)
+        return logits, loss
 
     def loss(self, logits, targets):
         """Mean next-token cross-entropy over the batch. (Tensor parallelism, chapter 05,

@@ -28,8 +28,31 @@ Tasks (run ``labkit grade moe``; tests in ``tests/grading/test_moe.py``):
     moe.capacity  expert_capacity, keep_mask
     moe.dispatch  AllToAll, exchange_counts
     moe.layer     ExpertParallelMoE.forward (dispatch, experts, combine)
-Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0) raises
-ValueError before any communication.
+    moe.ep_dp     ep_dp_grid, average_ep_dp_gradients (EP x DP on the chapter-08 rank grid)
+Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0, ep x dp not
+the world) raises ValueError before any communication.
+
+EP x DP. With N = ep x dp ranks the experts are split over the ep ranks of an EP group and
+each split is replicated over the dp ranks of a DP group; every rank reads its own slice of
+the global batch (EP ranks too: they share experts, not data). The groups come from the
+chapter-08 ``RankGrid`` (the learner's ``labkit.mesh``), EP on its fastest axis (consecutive
+ranks, one node: the all-to-alls need the fastest links), DP on its slowest:
+``RankGrid(N, dp=dp, tp=ep)``, so rank = d * ep + e. Gradients, for the loss the mean of the
+N ranks' losses (one process on the global batch, routed in the same N slices):
+
+* a dense parameter (attention, norms, embeddings, the gate) is used by this rank's tokens
+  only: grad = (1/N) sum over all N ranks, an all-reduce over the world;
+* an expert's weights already received, through the backward all-to-alls, the gradient of
+  every token of the EP group routed to it (the ep ranks' losses). The dp copies of the
+  expert saw the other EP groups' tokens: grad = (1/N) sum over its DP group, an all-reduce
+  over the dp ranks holding that expert, divided by N (not by dp: each copy already holds ep
+  ranks' worth). Megatron-LM does the same: its DDP sums expert gradients over the expert-data-
+  parallel group and scales them, like the dense ones, by 1 / the full data-parallel size
+  (megatron/core/distributed/distributed_data_parallel.py).
+
+``labkit.models.GPT`` with ``GPTConfig(n_experts=E, ...)`` is the single-process MoE GPT;
+``expert_parallel_gpt`` (given) swaps each block's MoE MLP for your ``ExpertParallelMoE``
+holding this rank's experts.
 """
 
 from __future__ import annotations
@@ -222,3 +245,100 @@ def reference_moe(x: torch.Tensor, gate, w1, w2, k: int, capacity_factor: float 
         token, slot = torch.nonzero((experts == e) & keep, as_tuple=True)
         y = y.index_add(0, token, expert_mlp(tokens[token], w1[e], w2[e]) * weights[token, slot].unsqueeze(1))
     return y.reshape(x.shape), load_balancing_loss(probs, experts, num_experts), router_z_loss(logits)
+
+
+# ----------------------------------------------------------------------------- EP x DP
+
+class ExpertParallelMLP(nn.Module):
+    """``Block.mlp`` of an expert-parallel GPT: your ``ExpertParallelMoE``, keeping its
+    load-balancing loss in ``aux`` as ``labkit.models.MoEMLP`` does (``GPT.forward`` adds it)."""
+
+    def __init__(self, moe: ExpertParallelMoE):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x):
+        y, self.aux = self.moe(x)
+        return y
+
+
+def expert_parallel_gpt(gpt: nn.Module, group=None) -> nn.Module:
+    """Swap each block's ``labkit.models.MoEMLP`` for an ``ExpertParallelMoE`` over ``group``
+    holding this rank's E/N experts, weights copied from ``gpt`` (the gate whole, w1 and w2
+    sliced). The rest of ``gpt`` stays replicated. Returns ``gpt``."""
+    config = gpt.config
+    if not config.n_experts:
+        raise ValueError("expert_parallel_gpt: the model has no experts (GPTConfig(n_experts=0))")
+    n = dist.get_world_size(group)
+    if config.n_experts % n:
+        raise ValueError(f"moe: {config.n_experts} experts do not split over {n} EP ranks (E % N != 0)")
+    first = dist.get_rank(group) * (config.n_experts // n)
+    for block in gpt.blocks:
+        dense = block.mlp
+        moe = ExpertParallelMoE(config.n_embd, 4 * config.n_embd, config.n_experts, config.moe_k,
+                                config.moe_capacity_factor, group=group, dtype=dense.gate.dtype)
+        with torch.no_grad():
+            moe.gate.copy_(dense.gate)
+            moe.w1.copy_(dense.w1[first:first + moe.local])
+            moe.w2.copy_(dense.w2[first:first + moe.local])
+        block.mlp = ExpertParallelMLP(moe)
+    return gpt
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights (w1, w2 of every ``ExpertParallelMoE``) in ``model``: the parameters
+    that differ between the ranks of an EP group. Everything else is dense (replicated)."""
+    return [p for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in (m.w1, m.w2)]
+
+
+EP_AXIS, DP_AXIS = "tp", "dp"  # the RankGrid axes EP and DP take (see the module docstring)
+
+
+def ep_dp_grid(world_size: int, ep: int, dp: int):
+    """The chapter-08 ``RankGrid`` of ``world_size`` ranks as dp x ep, EP on the fastest axis
+    (``EP_AXIS``), DP on the slowest, with its groups made (a collective: every rank calls it).
+    ValueError, before any communication, unless ep * dp == world_size."""
+    from labkit.mesh import RankGrid
+    # BEGIN SOLUTION moe.ep_dp: RankGrid(world_size, dp=dp, tp=ep) checks ep * dp == world_size; then make_groups()
+    return RankGrid(world_size, dp=dp, tp=ep).make_groups()
+    # END SOLUTION
+
+
+def average_ep_dp_gradients(model: nn.Module, grid) -> None:
+    """After ``loss.backward()`` on every rank: each dense ``.grad`` all-reduced over the world,
+    each expert ``.grad`` (``expert_parameters``) over ``grid.group(DP_AXIS)``, and every one
+    divided by the world size N (see the module docstring for why experts too). One all-reduce
+    per parameter with a gradient, in ``model.parameters()`` order."""
+    # BEGIN SOLUTION moe.ep_dp: experts = ids of expert_parameters(model); all_reduce each grad over the DP group if an expert else the world; divide by world size
+    experts = {id(p) for p in expert_parameters(model)}
+    n = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad, group=grid.group(DP_AXIS) if id(p) in experts else None)
+        p.grad /= n
+    # END SOLUTION
+
+
+def train_ep_dp(config, grid, xs, ys, lr: float = 1e-2, dtype=torch.float64) -> list[float]:
+    """Train ``labkit.models.GPT(config)`` with EP x DP on ``grid``: ``expert_parallel_gpt`` over
+    the EP group, each rank on its slice (rank order) of the global batches ``xs[step]``,
+    ``ys[step]``, your ``average_ep_dp_gradients``, AdamW. Returns the global loss (the mean of
+    the ranks' losses) of every step, the same on every rank."""
+    from labkit.models import GPT
+    n, rank = dist.get_world_size(), dist.get_rank()
+    if len(xs[0]) % n:
+        raise ValueError(f"a global batch of {len(xs[0])} does not split over {n} ranks")
+    model = expert_parallel_gpt(GPT(config).to(dtype), grid.group(EP_AXIS))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    share, losses = len(xs[0]) // n, []
+    for x, y in zip(xs, ys):
+        loss = model(x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share])[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        average_ep_dp_gradients(model, grid)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / n)
+    return losses

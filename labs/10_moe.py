@@ -11,7 +11,11 @@ with capacity factor 1.25, the gate lifted towards expert 0 so routing starts un
 * the tokens each rank receives per step (the load of its experts) and their imbalance;
 * the bytes of every all-to-all traced against the formula: E x 8 for the counts, then
   max(rows sent, rows received) x H x 8 for dispatch and combine, each again in backward;
-* time per step against a dense MLP with the same active parameters (k experts' worth).
+* time per step against a dense MLP with the same active parameters (k experts' worth);
+* EP x DP: a 2-layer MoE GPT (``GPTConfig(n_experts=4)``) trained 5 AdamW steps on a Markov
+  chain with your ``ep_dp_grid`` and ``average_ep_dp_gradients`` (``train_ep_dp``: ep = 2 when N
+  is even, dp = N / ep), each rank on its slice of the global batch, against one process
+  holding every expert that runs the same slices and averages their losses.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
@@ -29,7 +33,10 @@ from labkit.comm import CommTracer
 from labkit.course.labscript import lab_arguments, run_lab
 
 HIDDEN, FFN, EXPERTS, TOP_K, FACTOR, TOKENS, STEPS = 16, 32, 4, 2, 1.25, 32, 5
-TASKS = ("moe.router", "moe.capacity", "moe.dispatch", "moe.layer")
+TASKS = ("moe.router", "moe.capacity", "moe.dispatch", "moe.layer", "moe.ep_dp")
+MOE_GPT = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_k=2,
+               moe_capacity_factor=1.25)
+PER_RANK = 4  # sequences per rank per step
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -89,6 +96,46 @@ def check_layer() -> dict:
                 moe_s=sorted(seconds)[len(seconds) // 2], dense_s=sorted(dense_seconds)[len(dense_seconds) // 2])
 
 
+def ep_dp_degrees(n: int) -> tuple[int, int]:
+    ep = 2 if n % 2 == 0 else 1
+    return ep, n // ep
+
+
+def markov_batches(n: int):
+    """STEPS global batches of n * PER_RANK sequences from a Markov chain: (xs, ys)."""
+    from labkit.data import markov_tokens
+    config = MOE_GPT
+    x, y = markov_tokens(STEPS * n * PER_RANK, config["block_size"], config["vocab_size"], seed=0)
+    return x.view(STEPS, n * PER_RANK, -1), y.view(STEPS, n * PER_RANK, -1)
+
+
+def one_process_gpt(n: int, xs, ys, lr: float = 1e-2) -> list[float]:
+    """The MoE GPT in one process, every expert held whole: each global batch in the same n
+    slices the ranks see (capacity and the balancing loss are per slice), losses averaged."""
+    from labkit.models import GPT, GPTConfig
+    model = GPT(GPTConfig(**MOE_GPT)).double()
+    opt, losses = torch.optim.AdamW(model.parameters(), lr=lr), []
+    for x, y in zip(xs, ys):
+        loss = sum(model(xp, yp)[1] for xp, yp in zip(x.chunk(n), y.chunk(n))) / n
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_ep_dp() -> dict:
+    from labkit.models import GPTConfig
+    from labkit.moe import ep_dp_grid, train_ep_dp
+    n = dist.get_world_size()
+    ep, dp = ep_dp_degrees(n)
+    xs, ys = markov_batches(n)
+    losses = train_ep_dp(GPTConfig(**MOE_GPT), ep_dp_grid(n, ep, dp), xs, ys)
+    ref = one_process_gpt(n, xs, ys)
+    return dict(ep=ep, dp=dp, losses=losses, ref=ref,
+                equal=mismatch(torch.tensor(losses), torch.tensor(ref)) is None)
+
+
 def main() -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
@@ -97,6 +144,10 @@ def main() -> dict:
         result["layer"] = check_layer()
     except NotImplementedError as exc:  # a stub raises on every rank alike
         result["missing"] = str(exc)
+    try:
+        result["ep_dp"] = check_ep_dp()
+    except NotImplementedError as exc:
+        result["ep_dp_missing"] = str(exc)
     return result
 
 
@@ -105,8 +156,14 @@ def report(results: list[dict]) -> bool:
     print(f"Lab 10: expert parallelism on {n} rank(s), backend {results[0]['backend']}")
     print(f"float64; E={EXPERTS} experts ({EXPERTS // n} per rank), top-{TOP_K}, capacity factor {FACTOR}, "
           f"{TOKENS} tokens of width {HIDDEN} per rank\n")
+    layer_ok = report_layer(results)
+    return report_ep_dp(results) and layer_ok
+
+
+def report_layer(results: list[dict]) -> bool:
+    n = len(results)
     if "missing" in results[0]:
-        print(f"{', '.join(TASKS)}: not implemented yet: {results[0]['missing']}")
+        print(f"{', '.join(TASKS[:4])}: not implemented yet: {results[0]['missing']}\n")
         return False
     first = results[0]["layer"]
     print("step  loss (yours, summed over ranks)  loss (one process)")
@@ -126,7 +183,23 @@ def report(results: list[dict]) -> bool:
               "same losses on every rank": all(r["layer"]["losses"] == first["losses"] for r in results)}
     for what, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    print()
     return all(checks.values())
+
+
+def report_ep_dp(results: list[dict]) -> bool:
+    if "ep_dp_missing" in results[0]:
+        print(f"EP x DP: not implemented yet: {results[0]['ep_dp_missing']}\n")
+        return False
+    first = results[0]["ep_dp"]
+    print(f"EP x DP: a 2-layer MoE GPT on ep={first['ep']} x dp={first['dp']}, {PER_RANK} sequences per rank, "
+          f"capacity factor {MOE_GPT['moe_capacity_factor']}, 5 AdamW steps")
+    print("step  global loss (yours)  one process")
+    for step, (ours, ref) in enumerate(zip(first["losses"], first["ref"])):
+        print(f"{step:4d}  {ours:19.10f}  {ref:11.10f}")
+    ok = all(r["ep_dp"]["equal"] for r in results) and all(r["ep_dp"]["losses"] == first["losses"] for r in results)
+    print(f"{'ok  ' if ok else 'FAIL'} EP x DP loss curve equals one process's, the same on every rank")
+    return ok
 
 
 if __name__ == "__main__":

@@ -138,6 +138,79 @@ def test_gpt_learns_markov_chain():
 # ---------------------------------------------------------------- ToyModel
 
 
+# ---------------------------------------------------------------- the MoE GPT (chapter 10)
+
+MOE = GPTConfig(n_embd=16, n_experts=4, moe_k=2)
+
+
+def test_gpt_moe_flag_off_changes_nothing():
+    """The flag's default leaves the dense model as it was: same modules, same weights, and a
+    dense config that spells the MoE fields out builds the very same model."""
+    plain, spelled = GPT(GPTConfig(), seed=0), GPT(GPTConfig(n_experts=0, moe_k=3, moe_aux_weight=1.0), seed=0)
+    assert_same_state(plain, spelled)
+    assert all(type(b.mlp).__name__ == "MLP" for b in plain.blocks)
+    assert num_params(plain) == expected_param_count(GPTConfig())
+
+
+def test_gpt_moe_blocks_and_init():
+    model = GPT(MOE, seed=0)
+    h, e = MOE.n_embd, MOE.n_experts
+    for block in model.blocks:
+        assert block.mlp.gate.shape == (e, h) and block.mlp.w1.shape == (e, h, 4 * h)
+        assert block.mlp.w2.shape == (e, 4 * h, h)
+        std = block.mlp.w1.std().item()
+        assert abs(std - 0.02) < 0.003, f"expert weight std {std:.4f}, want about 0.02"
+    dense_mlp, moe_mlp = 8 * h * h + 5 * h, e * h + e * 8 * h * h  # c_fc + c_proj; gate + w1 + w2
+    assert num_params(model) == expected_param_count(MOE) + MOE.n_layer * (moe_mlp - dense_mlp)
+    assert_same_state(model, GPT(MOE, seed=0))
+    with pytest.raises(ValueError):
+        GPT(GPTConfig(n_experts=2, moe_k=3))
+    with pytest.raises(ValueError):
+        GPT(GPTConfig(n_experts=2, moe_capacity_factor=0.0))
+
+
+def moe_by_loops(x, mlp, capacity_factor):
+    """Each token through its k experts, one at a time; capacity by counting."""
+    tokens = x.reshape(-1, x.shape[-1])
+    e_count, k = mlp.gate.shape[0], mlp.k
+    probs = torch.softmax(tokens @ mlp.gate.t(), dim=-1)
+    taken, y = [0] * e_count, torch.zeros_like(tokens)
+    capacity = math.ceil(capacity_factor * k * len(tokens) / e_count) if capacity_factor else len(tokens) * k
+    choices = []
+    for t in range(len(tokens)):
+        top = torch.sort(probs[t], descending=True, stable=True)
+        weights = top.values[:k] / top.values[:k].sum()
+        for j in range(k):
+            e = top.indices[j].item()
+            choices.append(e)
+            if taken[e] < capacity:
+                taken[e] += 1
+                y[t] += weights[j] * (torch.nn.functional.gelu(tokens[t] @ mlp.w1[e]) @ mlp.w2[e])
+    f = torch.bincount(torch.tensor(choices), minlength=e_count).double() / len(choices)
+    return y.reshape(x.shape), e_count * (f * probs.mean(0)).sum()
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_gpt_moe_mlp_matches_loops_and_adds_aux(capacity_factor):
+    config = GPTConfig(n_embd=16, n_experts=4, moe_k=2, moe_capacity_factor=capacity_factor)
+    model = GPT(config, seed=1).double()
+    mlp = model.blocks[0].mlp
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    y = mlp(x)
+    want_y, want_aux = moe_by_loops(x, mlp, capacity_factor)
+    torch.testing.assert_close(y, want_y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mlp.aux, want_aux, rtol=1e-12, atol=1e-12)
+    if capacity_factor:  # some choices really are dropped
+        assert len(mlp.kept_experts) < 2 * 10
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    logits, loss = model(idx, idx)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+    aux = sum(block.mlp.aux for block in model.blocks)
+    torch.testing.assert_close(loss, ce + config.moe_aux_weight * aux, rtol=1e-12, atol=1e-12)
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters()), "every parameter, the gate too, gets a gradient"
+
+
 def test_toy_model_awkward_parameters():
     model = ToyModel(seed=0)
     params = dict(model.named_parameters())

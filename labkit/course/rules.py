@@ -48,8 +48,10 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
     "mesh": (("torch.distributed.device_mesh", "torch.distributed.tensor", "torch.distributed.pipelining",
               "torch.nn.parallel") + _FSDP, "chapter 08 builds the rank grid and composes your own parts"),
     "elastic": (("torch.distributed.checkpoint",), "chapter 09 builds the checkpoint (DCP is the oracle)"),
-    "moe": (("torch.distributed.nn", "torch.distributed._functional_collectives", "torch.distributed.tensor"),
-            "chapter 10 builds the all-to-all dispatch with its autograd (dist.all_to_all_single is the building block)"),
+    "moe": (("torch.distributed.nn", "torch.distributed._functional_collectives", "torch.distributed.tensor",
+             "torch.distributed.device_mesh", "torch.nn.parallel"),
+            "chapter 10 builds the all-to-all dispatch with its autograd (dist.all_to_all_single is the building block) "
+            "and EP x DP on your chapter-08 rank grid"),
 }
 
 

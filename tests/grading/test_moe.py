@@ -9,8 +9,21 @@ The tracer then checks the technique: the whole trace of a forward and backward 
 all-to-all of the E int64 counts and four all-to-alls of routed rows (dispatch, combine and
 their reverses in backward), each of max(rows sent, rows received) x H x element size bytes,
 the row counts derived here from the reference routing of every rank's tokens.
+
+EP x DP (moe.ep_dp): a 2-layer MoE GPT (labkit.models, GPTConfig(n_experts=4)) trained 5 AdamW
+steps with the learner's EP layer on every grid of the world (4 = 2x2, 4x1, 1x4; 2 = 2x1,
+1x2), dropless, with capacity, and with uneven routing (most tokens choose expert 0, which
+then drops at its capacity), each rank on its slice of the global batch, against one
+process holding every expert that runs the same global batch in the same slices (capacity
+and the load-balancing loss are per routing call) and averages their losses: the global loss
+of every step, every dense parameter and this rank's experts after each step, float64. The
+trace of step 1 is exactly, per MoE layer, the E int64 counts and two all-to-alls in the EP
+group forward, two backward (max(rows sent, received) x H x 8 B each, rows from the
+reference's routing), then one all-reduce per dense gradient over the world and one per
+expert gradient over the DP group (numel x 8 B): EP groups are consecutive ranks.
 """
 
+import copy
 import math
 from fractions import Fraction
 
@@ -238,6 +251,104 @@ def layer_on_rank() -> None:
         assert_close(total, sum(ref_losses).detach(), f"moe.layer: rank {rank} of {n}, AdamW step {step}: summed loss")
 
 
+# ----------------------------------------------------------------------------- EP x DP
+
+GPT_MOE = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=4, moe_k=2)
+GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}  # (ep, dp)
+PER_RANK, STEPS, LR = 2, 5, 1e-2
+GPT_CASES = [("dropless", None, False), ("capacity 1.0", 1.0, False), ("uneven, capacity 1.0", 1.0, True)]
+
+
+@torch.no_grad()
+def skew_towards_expert_0(gpt) -> None:
+    """Uneven routing in every MoE layer: LayerNorm outputs have zero mean over features, so a
+    constant ln_2 bias is a direction every token shares; lifting expert 0's gate along it
+    raises its logit for all tokens (by 0.5 * 2 * sqrt(H), about 2.8 at H = 8)."""
+    for block in gpt.blocks:
+        block.ln_2.bias.fill_(0.5)
+        block.mlp.gate[0] += 2.0 / math.sqrt(block.mlp.gate.shape[1])
+
+
+def ep_dp_on_rank() -> None:
+    from labkit.models import GPT, GPTConfig
+    from labkit.moe import (average_ep_dp_gradients, ep_dp_grid, expert_parallel_gpt, expert_parameters,
+                            EP_AXIS)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with CommTracer() as tracer:  # bad input: a clear error before any communication
+        for ep, dp in [(n, 2), (n + 1, 1), (0, n)]:
+            with pytest.raises(ValueError):
+                ep_dp_grid(n, ep, dp)
+    assert not tracer.events, f"moe.ep_dp: bad grids must fail before any communication, traced {tracer.ops()}"
+    for ep, dp in GRIDS[n]:
+        grid = ep_dp_grid(n, ep, dp)
+        with CommTracer() as tracer:  # a model whose experts do not split: refused before any communication
+            for bad in ([dict(GPT_MOE, n_experts=2 * ep + 1)] if ep > 1 else []) + [dict(GPT_MOE, n_experts=0)]:
+                with pytest.raises(ValueError):
+                    expert_parallel_gpt(GPT(GPTConfig(**bad)), grid.group(EP_AXIS))
+        assert not tracer.events, f"moe.ep_dp: bad models must fail before any communication, traced {tracer.ops()}"
+        ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
+        dp_members = list(range(rank % ep, n, ep))
+        for name, factor, uneven in GPT_CASES:
+            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, {name}"
+            config = GPTConfig(**GPT_MOE, moe_capacity_factor=factor)
+            ref = GPT(config, seed=3).double()
+            if uneven:
+                skew_towards_expert_0(ref)
+            model = expert_parallel_gpt(copy.deepcopy(ref), grid.group(EP_AXIS))
+            opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(ref.parameters(), lr=LR)
+            local = config.n_experts // ep
+            mine = slice(rank % ep * local, (rank % ep + 1) * local)
+            for step in range(STEPS):
+                gen = torch.Generator().manual_seed(1000 * step + 17)
+                data = torch.randint(0, config.vocab_size, (n * PER_RANK, config.block_size + 1), generator=gen)
+                x, y = data[:, :-1], data[:, 1:]
+                # the reference: every slice through one process holding every expert, losses averaged
+                ref_opt.zero_grad()
+                ref_loss, kept, chosen = 0, [], []
+                for r in range(n):
+                    part = slice(r * PER_RANK, (r + 1) * PER_RANK)
+                    ref_loss = ref_loss + ref(x[part], y[part])[1] / n
+                    kept.append([block.mlp.kept_experts for block in ref.blocks])
+                    chosen.append([block.mlp.experts for block in ref.blocks])
+                ref_loss.backward()
+                ref_opt.step()
+                mine_part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+                with CommTracer() as tracer:
+                    loss = model(x[mine_part], y[mine_part])[1]
+                    opt.zero_grad()
+                    loss.backward()
+                    average_ep_dp_gradients(model, grid)
+                opt.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                assert_close(total / n, ref_loss.detach(), f"{what}, step {step + 1}: global loss (mean over ranks)")
+                if step == 0:
+                    want = []
+                    for layer in range(config.n_layer):
+                        sent = kept[rank][layer].numel()
+                        received = sum(((kept[r][layer] // local) == rank % ep).sum().item() for r in ep_members)
+                        rows = max(sent, received) * config.n_embd * 8
+                        want += [Op("all_to_all", config.n_experts * 8, ep_members)] + 4 * [Op("all_to_all", rows, ep_members)]
+                    experts = {id(p) for p in expert_parameters(model)}
+                    want += [Op("all_reduce", p.numel() * 8, dp_members if id(p) in experts else None)
+                             for p in model.parameters()]
+                    assert_ops(tracer, want, what + " (per MoE layer: counts + dispatch + combine in the EP group, "
+                                                    "twice back; one all-reduce per dense grad over the world, "
+                                                    "per expert grad over the DP group)")
+                ref_params = dict(ref.named_parameters())
+                for name, p in model.named_parameters():
+                    ref_p = ref_params[name.replace("mlp.moe.", "mlp.")]
+                    expert = name.endswith(("moe.w1", "moe.w2"))
+                    assert_close(p, ref_p[mine] if expert else ref_p, f"{what}, after step {step + 1}: {name}"
+                                 + (" (this rank's experts)" if expert else ""))
+                if step == 0 and factor is not None:  # the case is what it says: some choices dropped
+                    choices = sum(t.numel() for per_rank in kept for t in per_rank)
+                    assert choices < n * config.n_layer * PER_RANK * config.block_size * config.moe_k, \
+                        "test set-up: capacity 1.0 should drop some choices"
+                if step == 0 and uneven:  # ... and most tokens choose expert 0, in every layer
+                    share = [(t == 0).any(dim=1).float().mean().item() for per_rank in chosen for t in per_rank]
+                    assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
+
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_router(world_size):
@@ -260,3 +371,9 @@ def test_dispatch(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_layer(world_size):
     run_graded("moe.layer", layer_on_rank, world_size)
+
+
+@task("moe.ep_dp", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ep_dp(world_size):
+    run_graded("moe.ep_dp", ep_dp_on_rank, world_size, timeout=120)

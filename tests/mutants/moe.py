@@ -40,4 +40,18 @@ MUTANTS = [
     Mutant("moe.layer", "no_regroup", "runs the received rows in arrival order: rows of other sources reach the wrong expert",
            find="by_expert = torch.argsort(local_expert, stable=True)",
            replace="by_expert = torch.arange(local_expert.numel())"),
+    # moe.ep_dp
+    Mutant("moe.ep_dp", "experts_over_world", "averages expert gradients over the world: different experts' gradients mixed",
+           find="group=grid.group(DP_AXIS) if id(p) in experts else None", replace="group=None"),
+    Mutant("moe.ep_dp", "experts_divided_by_dp", "divides expert gradients by dp, forgetting each copy already holds ep ranks' tokens",
+           find="        p.grad /= n\n",
+           replace="        p.grad /= grid.degrees[DP_AXIS] if id(p) in experts else n\n"),
+    Mutant("moe.ep_dp", "dense_over_dp_group", "averages dense gradients over the DP group only: EP ranks drift apart",
+           find="group=grid.group(DP_AXIS) if id(p) in experts else None",
+           replace="group=grid.group(DP_AXIS)"),
+    Mutant("moe.ep_dp", "axes_swapped", "puts EP on the slow axis and DP on the fast one: EP groups no longer consecutive ranks",
+           find="return RankGrid(world_size, dp=dp, tp=ep)", replace="return RankGrid(world_size, dp=ep, tp=dp)"),
+    Mutant("moe.ep_dp", "experts_not_averaged", "leaves expert gradients as the EP backward left them: no all-reduce over the DP group",
+           find="        dist.all_reduce(p.grad, group=grid.group(DP_AXIS) if id(p) in experts else None)\n        p.grad /= n\n",
+           replace="        if id(p) not in experts:\n            dist.all_reduce(p.grad)\n            p.grad /= n\n"),
 ]

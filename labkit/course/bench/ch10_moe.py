@@ -56,3 +56,51 @@ def moe_ep_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
 def moe_ep4_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
     """expert-parallel MoE layer on 4 ranks (chapter 10) vs the same layer in one process"""
     return moe_ep_row(repeats, world_size)
+
+
+MOE_GPT_BENCH = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, n_experts=4, moe_k=2)
+GPT_BATCH = 8  # sequences per rank
+
+
+def _ep_dp_vs_one_process(repeats: int, ep: int, dp: int) -> dict:
+    """One training step (forward, backward, gradient averaging) of the MoE GPT on an ep x dp
+    grid with labkit.moe vs one process running the global batch in the same slices."""
+    from labkit.comm import CommTracer
+    from labkit.models import GPT, GPTConfig
+    from labkit.moe import average_ep_dp_gradients, ep_dp_grid, expert_parallel_gpt, expert_parameters, EP_AXIS
+    from labkit.data import markov_tokens
+    n, rank = dist.get_world_size(), dist.get_rank()
+    config = GPTConfig(**MOE_GPT_BENCH)
+    grid = ep_dp_grid(n, ep, dp)
+    model = expert_parallel_gpt(GPT(config), grid.group(EP_AXIS))
+    reference = GPT(config)
+    x, y = markov_tokens(n * GPT_BATCH, config.block_size, config.vocab_size, seed=0)
+    mine = slice(rank * GPT_BATCH, (rank + 1) * GPT_BATCH)
+
+    def ours(_):
+        model(x[mine], y[mine])[1].backward()
+        average_ep_dp_gradients(model, grid)
+
+    def one_process(_):
+        (sum(reference(xp, yp)[1] for xp, yp in zip(x.chunk(n), y.chunk(n))) / n).backward()
+
+    medians = interleaved_medians({"ours": ours, "builtin": one_process}, lambda: None, repeats, warmup=1)
+    with CommTracer() as tracer:
+        ours(None)
+    experts = {id(p) for p in expert_parameters(model)}
+    rows = sum(max(block.mlp.moe.routed_rows) for block in model.blocks)
+    formula = (config.n_layer * 8 * config.n_experts + 4 * rows * config.n_embd * 4   # counts; 4 all-to-alls a layer
+               + sum(p.numel() * 4 for p in model.parameters()))                      # one all-reduce per gradient
+    traced = sum(event.bytes for event in tracer.events)
+    return dict(medians, traced=traced, formula=formula,
+                expert_bytes=sum(p.numel() * 4 for p in model.parameters() if id(p) in experts))
+
+
+@row("moe_ep_dp")
+def moe_ep_dp_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
+    """a MoE GPT step with EP x DP (2 x 2, chapter 10) vs one process on the global batch"""
+    ep = 2 if world_size % 2 == 0 else 1
+    r = launch(_ep_dp_vs_one_process, world_size, repeats, ep, world_size // ep, timeout=600)[0]
+    return BenchRow(f"MoE GPT step, ep={ep} x dp={world_size // ep} ({GPT_BATCH} seqs/rank) vs one process "
+                    f"(global batch)", r["ours"], r["builtin"], r["traced"], r["formula"],
+                    extra=dict(expert_grad_bytes=r["expert_bytes"]))
