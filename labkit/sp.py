@@ -18,14 +18,17 @@ Three ways to split the *sequence* over N ranks:
   values around the ring; after N-1 steps every query has seen every key. Blockwise
   attention with an *online softmax* (Milakov & Gimelshein 2018; Dao et al. 2022) merges
   the blocks exactly, keeping per query a running max and a running sum of exponentials.
-  Backward passes K/V around again, with their gradients riding along.
+  Backward passes K/V around again, with their gradients riding along. Each step is one
+  call of a fused kernel that returns the log-sum-exp (given: ``visible_attention``), on
+  only the part of the block the causal mask lets through.
 * Ulysses (Jacobs et al., 2023): an all-to-all turns sequence shards into head shards
   (every rank: all T tokens of H/N heads), attention runs locally, another all-to-all turns
   it back. Needs heads divisible by N.
 
 With a causal mask, contiguous shards leave rank 0 almost idle (its queries see only its
-own keys) and the last rank doing N times the work. The *zig-zag* split gives rank r
-chunks r and 2N-1-r of 2N: every rank then gets the same amount of unmasked work.
+own keys: half a block) and the last rank computing N - 1/2 blocks. The *zig-zag* split
+gives rank r chunks r and 2N-1-r of 2N: every rank then gets the same amount of unmasked
+work, its own block causally and half of every other rank's: N/2 blocks per rank.
 
 Shapes: attention tensors are [B, heads, T_local, head_dim]; ``positions`` are the global
 token indices of a rank's T_local rows (contiguous or zig-zag), which is all ring attention
@@ -288,7 +291,7 @@ def fused_attention(q, k, v, causal: bool = False):
 def fused_attention_backward(grad_out, q, k, v, out, lse, causal: bool = False):
     """(dq, dk, dv) of one block's contribution, given the rows' *final* ``out`` and ``lse``
     over every block: exp(scores - lse) is then this block's share of the whole softmax, and
-    the correction D = rowsum(dO * out) is the same in every block (Dao et al. 2022, Alg. 2),
+    the correction D = rowsum(dO * out) is the same in every block (Dao et al. 2022, appendix B),
     so the blocks' gradients simply add up."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
