@@ -18,14 +18,17 @@ Three ways to split the *sequence* over N ranks:
   values around the ring; after N-1 steps every query has seen every key. Blockwise
   attention with an *online softmax* (Milakov & Gimelshein 2018; Dao et al. 2022) merges
   the blocks exactly, keeping per query a running max and a running sum of exponentials.
-  Backward passes K/V around again, with their gradients riding along.
+  Backward passes K/V around again, with their gradients riding along. Each step is one
+  call of a fused kernel that returns the log-sum-exp (given: ``visible_attention``), on
+  only the part of the block the causal mask lets through.
 * Ulysses (Jacobs et al., 2023): an all-to-all turns sequence shards into head shards
   (every rank: all T tokens of H/N heads), attention runs locally, another all-to-all turns
   it back. Needs heads divisible by N.
 
 With a causal mask, contiguous shards leave rank 0 almost idle (its queries see only its
-own keys) and the last rank doing N times the work. The *zig-zag* split gives rank r
-chunks r and 2N-1-r of 2N: every rank then gets the same amount of unmasked work.
+own keys: half a block) and the last rank computing N - 1/2 blocks. The *zig-zag* split
+gives rank r chunks r and 2N-1-r of 2N: every rank then gets the same amount of unmasked
+work, its own block causally and half of every other rank's: N/2 blocks per rank.
 
 Shapes: attention tensors are [B, heads, T_local, head_dim]; ``positions`` are the global
 token indices of a rank's T_local rows (contiguous or zig-zag), which is all ring attention
@@ -267,6 +270,150 @@ def split_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     return x.index_select(dim, contiguous_positions(x.shape[dim], rank, n).to(x.device))
 
 
+# ----------------------------------------------------------------------------- fused block kernels
+#
+# Given (not a task): what one ring step computes, in a fused kernel that returns the
+# log-sum-exp (FlashAttention, Dao et al. 2022: the scores never leave the kernel's tiles),
+# and only on the part of the block the causal mask lets through. ``attention_block`` above
+# is the same computation written out, with every score of the block materialised.
+
+
+def fused_attention(q, k, v, causal: bool = False):
+    """(out, lse) of softmax attention of ``q`` over ``k``, ``v``, normalised over this block
+    alone; ``causal``: query i sees keys 0..i (a square block on its own diagonal). On the CPU
+    one call of PyTorch's flash kernel (any float dtype, float64 included); elsewhere the
+    scores are materialised (the lse-returning CUDA kernels are not wired up here)."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return _math_attention(q, k, v, _diagonal(q, k) if causal else None)
+
+
+def fused_attention_backward(grad_out, q, k, v, out, lse, causal: bool = False):
+    """(dq, dk, dv) of one block's contribution, given the rows' *final* ``out`` and ``lse``
+    over every block: exp(scores - lse) is then this block's share of the whole softmax, and
+    the correction D = rowsum(dO * out) is the same in every block (Dao et al. 2022, appendix B),
+    so the blocks' gradients simply add up."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal)
+    return _math_attention_backward(grad_out, q, k, v, out, lse, _diagonal(q, k) if causal else None)
+
+
+def _diagonal(q, k):
+    return torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+
+
+def _masked_scores(q, k, mask):
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
+def _math_attention(q, k, v, mask=None):
+    """``fused_attention`` with the scores materialised, under any bool ``mask`` [Tq, Tk]."""
+    scores = _masked_scores(q, k, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0) @ v, lse
+
+
+def _math_attention_backward(grad_out, q, k, v, out, lse, mask=None):
+    """``fused_attention_backward`` with the scores materialised (rows hidden by ``mask``: 0)."""
+    p = torch.exp(_masked_scores(q, k, mask) - lse.unsqueeze(-1)).nan_to_num(0.0)
+    ds = p * (grad_out @ v.transpose(-2, -1) - (grad_out * out).sum(-1, keepdim=True)) / math.sqrt(q.shape[-1])
+    return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ grad_out
+
+
+def visible_part(q_positions, k_positions):
+    """The part of a K/V block that queries at ``q_positions`` may see under the causal mask
+    (positions in increasing order): None if nothing, else (rows, keys, kind), slices of the
+    queries and keys to compute and how: ``True`` on the block's own diagonal (the same
+    positions: causal within the slices), ``False`` where every (row, key) pair of the slices is
+    visible, or else a bool mask of the slices. With zig-zag rows a block from another rank is
+    half visible: from an earlier rank, the keys of its first chunk for all rows; from a later
+    one, all its keys for this rank's second chunk."""
+    if torch.equal(q_positions, k_positions):
+        return slice(None), slice(None), True
+    first_row = int(torch.searchsorted(q_positions, k_positions[0]))   # earlier rows see none of the keys
+    end_key = int(torch.searchsorted(k_positions, q_positions[-1], right=True))  # later keys: no row sees them
+    if first_row == len(q_positions) or end_key == 0:
+        return None
+    rows, keys = slice(first_row, len(q_positions)), slice(0, end_key)
+    if q_positions[first_row] >= k_positions[end_key - 1]:
+        return rows, keys, False
+    return rows, keys, causal_mask(q_positions[rows], k_positions[keys])  # interleaved rows: masked
+
+
+def visible_attention(q, k, v, q_positions, k_positions, causal: bool):
+    """One ring step's forward: (out, lse) of this rank's queries over one K/V block, computed
+    only where the mask lets through (rows that see none of it: out 0, lse -inf), or None when
+    the causal mask hides the whole block."""
+    part = visible_part(q_positions, k_positions) if causal else (slice(None), slice(None), False)
+    if part is None:
+        return None
+    rows, keys, kind = part
+    q_rows, k_keys, v_keys = q[..., rows, :], k[..., keys, :], v[..., keys, :]
+    if isinstance(kind, torch.Tensor):
+        out, lse = _math_attention(q_rows, k_keys, v_keys, kind)
+    else:
+        out, lse = fused_attention(q_rows, k_keys, v_keys, kind)
+    if out.shape == q.shape:
+        return out, lse
+    full_out = out.new_zeros(q.shape)
+    full_out[..., rows, :] = out
+    full_lse = lse.new_full(q.shape[:-1], float("-inf"))
+    full_lse[..., rows] = lse
+    return full_out, full_lse
+
+
+def visible_attention_backward(grad_out, q, k, v, out, lse, q_positions, k_positions, causal: bool):
+    """One ring step's backward: (dq, dk, dv) of this block's part of the attention, given the
+    final ``out`` and ``lse`` of this rank's rows (zero where the mask hides a row or a key),
+    or None when the causal mask hides the whole block."""
+    part = visible_part(q_positions, k_positions) if causal else (slice(None), slice(None), False)
+    if part is None:
+        return None
+    rows, keys, kind = part
+    inputs = (grad_out[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :],
+              out[..., rows, :], lse[..., rows])
+    if isinstance(kind, torch.Tensor):
+        dq, dk, dv = _math_attention_backward(*inputs, kind)
+    else:
+        dq, dk, dv = fused_attention_backward(*inputs, kind)
+    if dq.shape == q.shape and dk.shape == k.shape:
+        return dq, dk, dv
+    grads = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    grads[0][..., rows, :] = dq
+    grads[1][..., keys, :] = dk
+    grads[2][..., keys, :] = dv
+    return grads
+
+
+def _visible_pairs(q_shape, k_shape, causal) -> int:
+    """(query, key) pairs a fused kernel computes: all, or a causal block's lower triangle."""
+    tq, tk = q_shape[-2], k_shape[-2]
+    heads = math.prod(q_shape[:-2])
+    if not causal:
+        return heads * tq * tk
+    m = min(tq, tk)
+    return heads * (m * (m + 1) // 2 + (tq - m) * tk)
+
+
+def _fused_forward_flops(q, k, v, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+    return 2 * _visible_pairs(q, k, is_causal) * (q[-1] + v[-1])           # q k^T, p v
+
+
+def _fused_backward_flops(grad_out, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *args,
+                          out_shape=None, **kwargs) -> int:
+    return 2 * _visible_pairs(q, k, is_causal) * (3 * q[-1] + 2 * v[-1])   # q k^T again, dO v^T, dV, dQ, dK
+
+
+# ``torch.utils.flop_counter.FlopCounterMode(custom_mapping=FUSED_ATTENTION_FLOPS)``: PyTorch
+# counts no FLOPs for the CPU flash kernel; these count the matmuls over the pairs it computes.
+FUSED_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _fused_forward_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _fused_backward_flops,
+}
+
+
 # ----------------------------------------------------------------------------- ring attention
 
 
@@ -293,25 +440,26 @@ class RingAttention(torch.autograd.Function):
     (contiguous or zig-zag), ``causal``. Output: this rank's rows of the attention output.
 
     Forward, step j = 0..N-1: this rank holds the K/V of rank (r - j) mod N (with its
-    positions); it posts the exchange that passes them on, computes ``attention_block`` on
-    them (skipping a block the causal mask hides entirely), merges into its running (out,
-    lse), then waits for the next block: N - 1 exchanges, each overlapped with a block.
-    Backward recomputes each block's probabilities from the saved lse, accumulates dq here,
-    and passes dK/dV along with K/V, so each block's gradient gathers every rank's part;
-    after the last step one more message hands dK/dV back to their owner."""
+    positions); it posts the exchange that passes them on, computes ``visible_attention`` on
+    them (nothing for a block the causal mask hides entirely, the causal diagonal or the
+    visible half of a zig-zag block otherwise), merges into its running (out, lse), then waits
+    for the next block: N - 1 exchanges, each overlapped with a block.
+    Backward: ``visible_attention_backward`` of each block against the final (out, lse) gives
+    this block's share of dq, dk, dv; dq accumulates here, dK/dV travel with K/V, so each
+    block's gradient gathers every rank's part; after the last step one more message hands
+    dK/dV back to their owner."""
 
     @staticmethod
     def forward(ctx, q, k, v, positions, causal, group):
-        # BEGIN SOLUTION sp.ring_attention: loop N steps: start_exchange([k, v, positions]) unless last step; attention_block with causal_mask(positions, their positions) (skip if all masked); merge; wait, take the received block; save q, k, v, positions, out, lse
+        # BEGIN SOLUTION sp.ring_attention: loop N steps: start_exchange([k, v, positions]) unless last step; visible_attention(q, k_j, v_j, positions, their positions, causal) (None: hidden, skip); merge; wait, take the received block; save q, k, v, positions, out, lse
         n = degree(group)
         out = lse = None
         block = (k, v, positions)
         for step in range(n):
             pending = start_exchange(list(block), group) if step < n - 1 else None
             k_j, v_j, pos_j = block
-            mask = causal_mask(positions, pos_j) if causal else None
-            if mask is None or mask.any():
-                part = attention_block(q, k_j, v_j, mask)
+            part = visible_attention(q, k_j, v_j, positions, pos_j, causal)
+            if part is not None:
                 out, lse = part if out is None else merge_blocks(out, lse, *part)
             if pending is not None:
                 received, works = pending
@@ -325,25 +473,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        # BEGIN SOLUTION sp.ring_attention: D = sum(grad_out * out, -1); per step: p = exp(scores - lse); dv += p^T dO; dp = dO v^T; ds = p (dp - D) scale; dq += ds k; dk += ds^T q; pass (k, v, positions, dk, dv) on; finally send dk, dv one more hop to their owner
+        # BEGIN SOLUTION sp.ring_attention: per step: visible_attention_backward(grad_out, q, k_j, v_j, out, lse, positions, pos_j, causal) (None: hidden); dq += its dq, dk_j += its dk, dv_j += its dv; pass (k, v, positions, dk, dv) on; finally send dk, dv one more hop to their owner
         q, k, v, positions, out, lse = ctx.saved_tensors
         n, causal, group = degree(ctx.group), ctx.causal, ctx.group
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        delta = (grad_out * out).sum(-1, keepdim=True)  # D_i = sum_d dO_id O_id
+        grad_out = grad_out.contiguous()
         dq = torch.zeros_like(q)
         block = (k, v, positions, torch.zeros_like(k), torch.zeros_like(v))
         for step in range(n):
             k_j, v_j, pos_j, dk_j, dv_j = block
-            mask = causal_mask(positions, pos_j) if causal else None
-            if mask is None or mask.any():
-                scores = (q @ k_j.transpose(-2, -1)) * scale
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                p = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-                dv_j = dv_j + p.transpose(-2, -1) @ grad_out
-                ds = p * (grad_out @ v_j.transpose(-2, -1) - delta) * scale
-                dq = dq + ds @ k_j
-                dk_j = dk_j + ds.transpose(-2, -1) @ q
+            grads = visible_attention_backward(grad_out, q, k_j, v_j, out, lse, positions, pos_j, causal)
+            if grads is not None:
+                dq += grads[0]
+                dk_j, dv_j = dk_j + grads[1], dv_j + grads[2]
             if step < n - 1:  # pass the block and its gradient so far to the next rank
                 received, works = start_exchange([k_j, v_j, pos_j, dk_j, dv_j], group)
                 for work in works:
@@ -359,7 +500,10 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, positions, causal: bool = False, group=None):
-    """See ``RingAttention``. ``positions``: the global indices of this rank's rows."""
+    """See ``RingAttention``. ``positions``: the global indices of this rank's rows, in
+    increasing order (ValueError otherwise, before any communication)."""
+    if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+        raise ValueError("ring attention: positions must be increasing (sort this rank's rows)")
     return RingAttention.apply(q, k, v, positions, causal, group)
 
 

@@ -118,11 +118,19 @@ MUTANTS = [
            find="        for step in range(n):\n            pending = start_exchange",
            replace="        for step in range(max(n - 1, 1)):\n            pending = start_exchange"),
     Mutant("sp.ring_attention", "local_causal_mask",
-           "builds the causal mask from row indices within the block, not the global positions",
-           find="            mask = causal_mask(positions, pos_j) if causal else None\n"
-                "            if mask is None or mask.any():\n                part = attention_block",
-           replace="            mask = causal_mask(torch.arange(q.shape[-2]), torch.arange(k_j.shape[-2])) if causal else None\n"
-                   "            if mask is None or mask.any():\n                part = attention_block"),
+           "gives the block helper row indices within the block, not the global positions: every block "
+           "looks like the diagonal",
+           find="            part = visible_attention(q, k_j, v_j, positions, pos_j, causal)\n",
+           replace="            part = visible_attention(q, k_j, v_j, torch.arange(q.shape[-2]), "
+                   "torch.arange(k_j.shape[-2]), causal)\n"),
+    Mutant("sp.ring_attention", "mask_only_own_block",
+           "masks only the first block (its own, the diagonal) and attends to every other block whole",
+           find="            part = visible_attention(q, k_j, v_j, positions, pos_j, causal)\n",
+           replace="            part = visible_attention(q, k_j, v_j, positions, pos_j, causal and step == 0)\n"),
+    Mutant("sp.ring_attention", "backward_without_mask",
+           "backward recomputes every block whole, as if not causal: the forward was right",
+           find="            grads = visible_attention_backward(grad_out, q, k_j, v_j, out, lse, positions, pos_j, causal)\n",
+           replace="            grads = visible_attention_backward(grad_out, q, k_j, v_j, out, lse, positions, pos_j, False)\n"),
     Mutant("sp.ring_attention", "no_gradient_hop_home",
            "backward keeps the dK, dV it holds after the last step: they belong to the next rank",
            find="                received, works = start_exchange([dk_j, dv_j], group)\n"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -15,58 +18,108 @@ SP_ATTENTION = dict(batch=1, heads=8, head_dim=32, tokens=2048)  # the whole seq
 
 def _attention_vs_sdpa(kind: str, repeats: int, causal: bool) -> dict:
     """Forward + backward of causal attention over the whole sequence: this rank's rows with
-    ring attention (or Ulysses) vs unsharded SDPA of the whole sequence on every rank."""
+    ring attention (contiguous and zig-zag rows, timed side by side) or Ulysses vs unsharded
+    SDPA of the whole sequence on every rank."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     from labkit import sp
     from labkit.comm import CommTracer
     n, rank = dist.get_world_size(), dist.get_rank()
     b, h, d, t = (SP_ATTENTION[key] for key in ("batch", "heads", "head_dim", "tokens"))
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(b, h, t, d, generator=gen) for _ in range(3)]
-    rows = sp.contiguous_positions(t, rank, n)
-    mine = [x.index_select(2, rows) for x in full]
+    layouts = {"contiguous": sp.contiguous_positions(t, rank, n), "zig-zag": sp.zigzag_positions(t, rank, n)}
 
-    def ours(_):
+    def ring(layout):
+        rows = layouts[layout]
+        mine = [x.index_select(2, rows) for x in full]
+
+        def step(_):
+            q, k, v = (x.detach().requires_grad_() for x in mine)
+            sp.ring_attention(q, k, v, rows, causal).sum().backward()
+        return step
+
+    def ulysses(_):
         q, k, v = (x.detach().requires_grad_() for x in mine)
-        out = sp.ring_attention(q, k, v, rows, causal) if kind == "ring" else sp.ulysses_attention(q, k, v, causal)
-        out.sum().backward()
+        sp.ulysses_attention(q, k, v, causal).sum().backward()
 
     def builtin(_):
         q, k, v = (x.detach().requires_grad_() for x in full)
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).sum().backward()
 
-    medians = interleaved_medians({"ours": ours, "builtin": builtin}, lambda: None, repeats, warmup=2)
+    rows = layouts["zig-zag" if kind == "ring_zigzag" else "contiguous"]
+    mine = [x.index_select(2, rows) for x in full]
+    candidates = {"builtin": builtin}
+    candidates |= {"contiguous": ring("contiguous"), "zig-zag": ring("zig-zag")} if kind != "ulysses" else {"ours": ulysses}
+    medians = interleaved_medians(candidates, lambda: None, repeats, warmup=2)
+    ours = {"ring": "contiguous", "ring_zigzag": "zig-zag", "ulysses": "ours"}[kind]
+    medians["ours"] = medians[ours]
     with CommTracer() as tracer:
-        ours(None)
+        candidates[ours](None)
+    result = dict(medians, sent=tracer.sent_bytes())
     shard = mine[0].numel() * mine[0].element_size()
-    if kind == "ring":  # forward: (N-1)(K + V + positions); backward: (N-1)(K, V, dK, dV, positions) + dK, dV
+    if kind != "ulysses":  # forward: (N-1)(K + V + positions); backward: (N-1)(K, V, dK, dV, positions) + dK, dV
         pos = rows.numel() * rows.element_size()
-        formula = (n - 1) * (2 * shard + pos) + (n - 1) * (4 * shard + pos) + (2 * shard if n > 1 else 0)
+        result["formula"] = (n - 1) * (2 * shard + pos) + (n - 1) * (4 * shard + pos) + (2 * shard if n > 1 else 0)
+        flops = {}
+        for layout in layouts:  # this rank's attention FLOPs (the fused kernels' visible pairs)
+            with FlopCounterMode(display=False, custom_mapping=sp.FUSED_ATTENTION_FLOPS) as counter:
+                candidates[layout](None)
+            flops[layout] = counter.get_total_flops()
+        result["flops"] = flops
+        # CPU seconds of each layout on this rank: what the busiest rank's pace is made of
+        # when the cores are shared (a rank waiting for a message uses none).
+        result["cpu"] = {layout: _cpu_seconds(candidates[layout], repeats) for layout in layouts}
     else:  # 4 all-to-alls of one shard each way, (N-1)/N of each leaves the rank
-        formula = 8 * (n - 1) / n * shard
-    return dict(medians, sent=tracer.sent_bytes(), formula=formula)
+        result["formula"] = 8 * (n - 1) / n * shard
+    return result
+
+
+def _cpu_seconds(step, repeats: int) -> float:
+    """Median process CPU seconds of ``step`` on this rank, after a barrier each time."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        step(None)
+        times.append(time.process_time() - start)
+    return statistics.median(times)
 
 
 def _attention_row(kind: str, repeats: int, world_size: int) -> BenchRow:
-    r = launch(_attention_vs_sdpa, world_size, kind, repeats, True, timeout=600)[0]
-    name = "ring attention" if kind == "ring" else "Ulysses"
+    results = launch(_attention_vs_sdpa, world_size, kind, repeats, True, timeout=600)
+    r = results[0]
+    name = {"ring": "ring attention, contiguous rows", "ring_zigzag": "ring attention, zig-zag rows",
+            "ulysses": "Ulysses"}[kind]
+    extra = {}
+    if kind != "ulysses":
+        busiest = {layout: max(x["flops"][layout] for x in results) for layout in ("contiguous", "zig-zag")}
+        extra = {"zigzag_s": r["zig-zag"], "contiguous_s": r["contiguous"],
+                 "zigzag_over_contiguous": r["zig-zag"] / r["contiguous"],
+                 "busiest_rank_gflop": {k: v / 1e9 for k, v in busiest.items()},
+                 "flop_ratio_predicted": busiest["zig-zag"] / busiest["contiguous"]}
+        cpu = {layout: max(x["cpu"][layout] for x in results) for layout in ("contiguous", "zig-zag")}
+        extra |= {"busiest_rank_cpu_s": cpu, "cpu_zigzag_over_contiguous": cpu["zig-zag"] / cpu["contiguous"]}
     return BenchRow(f"causal attention, {SP_ATTENTION['tokens']} tokens, {name} on {world_size} ranks vs SDPA unsharded",
-                    r["ours"], r["builtin"], r["sent"], r["formula"])
+                    r["ours"], r["builtin"], r["sent"], r["formula"], extra=extra)
 
 
 @row("sp_ring")
 def sp_ring_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
-    """ring attention (chapter 07) vs unsharded SDPA"""
+    """ring attention with contiguous rows (chapter 07) vs unsharded SDPA; zig-zag beside it"""
     return _attention_row("ring", repeats, world_size)
+
+
+@row("sp_ring_zigzag")
+def sp_ring_zigzag_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
+    """ring attention with zig-zag rows (chapter 07) vs unsharded SDPA; contiguous beside it"""
+    return _attention_row("ring_zigzag", repeats, world_size)
 
 
 @row("sp_ulysses")
 def sp_ulysses_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
     """Ulysses (chapter 07) vs unsharded SDPA"""
     return _attention_row("ulysses", repeats, world_size)
-
-
-
-
 
 
 def _megatron_sp_vs_builtin(repeats: int, batch: int) -> dict:
