@@ -4,6 +4,20 @@ version is, and the model shapes they are compared on.
 Tests, labs and ``labkit bench`` all check or time the learner's code against these, so
 the built-in side is written once. An exercise module never imports this (see
 ``labkit.course.rules``); the comparison code does.
+
+    chapter  built-in                                     here
+    01, 02   DistributedDataParallel                      builtin_ddp
+    03       ZeroRedundancyOptimizer                      builtin_zero
+    04       fully_shard (FSDP2), MixedPrecisionPolicy    builtin_fully_shard, mixed_precision_policy
+    05       parallelize_module (TP plan)                 builtin_tensor_parallel
+    06       PipelineStage + Schedule*                    builtin_pipeline
+    07       parallelize_module (SP plan)                 builtin_sequence_parallel
+    08       init_device_mesh, fully_shard x TP           device_mesh, builtin_2d
+    09       torch.distributed.checkpoint (DCP)           dcp_save, dcp_load, full_state_dict
+
+torch.distributed's submodules are imported inside the functions, on the ranks that use
+them: importing this module costs nothing more than torch (``labkit tasks`` stays fast, and
+``torch.distributed.optim`` compiles TorchScript at import).
 """
 
 from __future__ import annotations
@@ -23,13 +37,71 @@ def heads_in_rank_order(weight: torch.Tensor, world: int) -> torch.Tensor:
 DDP_BENCH_GPT = dict(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 
 
+def device_mesh(shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
+                device_type: str = "cpu"):
+    """torch's ``init_device_mesh`` over every rank: 1-D ``(world,)`` unless ``shape`` is
+    given (rank r at ``torch.arange(world).view(shape)``'s position of r, the last axis
+    fastest, as ``labkit.mesh.RankGrid`` lays ranks out), its axes named ``names``."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = shape or (dist.get_world_size(),)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def builtin_ddp(model, process_group=None, **options):
+    """``model`` wrapped in torch's ``DistributedDataParallel`` over ``process_group`` (default:
+    every rank), the built-in of ``labkit.dp.average_gradients`` (chapter 01) and of
+    ``labkit.ddp.DDP`` (chapter 02). At its defaults it broadcasts rank 0's parameters and
+    buffers at construction, averages gradients in buckets (25 MB by default) during backward and
+    broadcasts buffers before each forward; ``options`` (``bucket_cap_mb``,
+    ``find_unused_parameters``, ...) go to it unchanged."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, process_group=process_group, **options)
+
+
 # A small GPT (~0.1 M parameters, 0.42 MB fp32): its AdamW state is twice that.
 ZERO_BENCH_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
+
+
+def builtin_zero(params, optimizer_class, process_group=None, **options):
+    """torch's ``ZeroRedundancyOptimizer``, the built-in of ``labkit.zero.ShardedOptimizer``
+    (ZeRO-1, chapter 03): ``optimizer_class(**options)`` over this rank's share of ``params``
+    (whole parameters, assigned greedily, as the course assigns them), the updated ones
+    broadcast by their owners after each step. It expects the gradients already averaged
+    (DDP, or ``average_gradients``), as stage 1 does."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class, process_group=process_group, **options)
 
 
 # The GPT of the FSDP lab: 4 blocks, 0.2 M parameters (0.8 MB fp32), short sequences, so
 # that parameters, gradients and AdamW state, not activations, dominate a rank's memory.
 FSDP_BENCH_GPT = dict(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=64)
+
+
+def mixed_precision_policy(param_dtype=None, reduce_dtype=None):
+    """torch's ``MixedPrecisionPolicy``; ``labkit.fsdp.fully_shard`` takes the same object."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+
+
+def builtin_fully_shard(model, mesh=None, **options):
+    """``model`` (a labkit GPT) sharded by torch's ``fully_shard`` (FSDP2) the way the course
+    shards it with ``labkit.fsdp.fully_shard``: one unit per block of ``model.blocks``, then
+    the root unit (what is left: wte/lm_head, wpe, ln_f), each over ``mesh`` (default: a 1-D
+    mesh of every rank, on the device type of ``model``'s parameters). ``options``
+    (``mp_policy``, ``reshard_after_forward``, ...) go to every call. Returns ``model``."""
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh is None:
+        mesh = device_mesh(device_type=next(model.parameters()).device.type)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
 
 
 # A GPT where the matmuls are worth splitting: 4 blocks of 256 channels, 8 heads, 1.6 M
@@ -68,6 +140,29 @@ def builtin_tensor_parallel(model, mesh):
 PP_BENCH_GPT = dict(vocab_size=256, block_size=64, n_head=4, n_embd=256, tie_weights=False)
 
 
+# The course's schedule names (labkit.pp) and torch.distributed.pipelining's classes; the first
+# two run one stage per rank, the others several (v chunks, stage s on rank s mod p).
+PIPELINE_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                      "interleaved": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble"}
+
+
+def builtin_pipeline(stages: dict, n_stages: int, schedule: str, n_microbatches: int, loss_fn,
+                     device=torch.device("cpu")):
+    """torch.distributed.pipelining's schedule ``schedule`` (a key of ``PIPELINE_SCHEDULES``)
+    over this rank's ``stages`` ({stage index: module}, e.g. from ``labkit.pp.split_gpt``, in
+    increasing index), each a ``PipelineStage`` of ``n_stages``; ``loss_fn(output, target)``
+    per micro-batch, as the course's runner calls it. Run a step with
+    ``schedule.step(x on the first stage's rank, target=y, losses=[] on the last's)``."""
+    from torch.distributed import pipelining
+
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"builtin_pipeline: unknown schedule {schedule!r}; one of {sorted(PIPELINE_SCHEDULES)}")
+    torch_stages = [pipelining.PipelineStage(module, index, n_stages, device) for index, module in stages.items()]
+    schedule_class = getattr(pipelining, PIPELINE_SCHEDULES[schedule])
+    one_stage = schedule in ("gpipe", "1f1b")  # single-stage schedules take the stage, not a list
+    return schedule_class(torch_stages[0] if one_stage else torch_stages, n_microbatches, loss_fn=loss_fn)
+
+
 SP_BENCH_GPT = dict(vocab_size=64, block_size=512, n_layer=1, n_head=8, n_embd=256)
 
 
@@ -96,3 +191,47 @@ def builtin_sequence_parallel(block, mesh):
 
 
 MESH_BENCH_GPT = dict(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=128, tie_weights=False)
+
+
+def builtin_2d(model, dp: int, tp: int):
+    """torch's 2-D composition of ``model`` (a labkit GPT, untied head) on a ``(dp, tp)``
+    mesh named ("dp", "tp"), as ``labkit.mesh`` composes the course's parts:
+    ``builtin_tensor_parallel`` on the tp sub-mesh, then ``builtin_fully_shard`` on the dp
+    sub-mesh. Its loss is a DTensor: compute it and backward under torch's
+    ``loss_parallel()``. Returns the model."""
+    mesh = device_mesh((dp, tp), ("dp", "tp"))
+    return builtin_fully_shard(builtin_tensor_parallel(model, mesh["tp"]), mesh["dp"])
+
+
+# ----------------------------------------------------------------------------- chapter 09: DCP
+
+
+def dcp_save(model, optimizer, path: str) -> None:
+    """Save ``model`` and ``optimizer`` with torch.distributed.checkpoint (a collective: every
+    rank calls it), the built-in of ``labkit.elastic.save_checkpoint``: each rank writes its
+    shards, under {"model": ..., "optim": ...} from ``get_state_dict``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def dcp_load(model, optimizer, path: str) -> None:
+    """Load what ``dcp_save`` wrote into ``model`` and ``optimizer``, at this world size and
+    this sharding (DCP reshards; ``labkit.elastic.load_checkpoint`` is the course's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def full_state_dict(model) -> dict:
+    """The whole (unsharded) parameters of a ``fully_shard`` model, on the CPU: what
+    ``labkit.fsdp.full_state_dict`` gives for the course's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

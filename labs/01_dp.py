@@ -28,6 +28,7 @@ from labkit.data import markov_tokens
 from labkit.dp import ShardSampler, average_gradients, run_parameter_server, shard_indices
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.models import GPT, GPTConfig
+from labkit.oracles import builtin_ddp
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=32)
 GLOBAL_BATCH, STEPS = 24, 8  # 24 splits evenly over 1, 2, 3, 4, 6 and 8 ranks
@@ -100,7 +101,7 @@ def parameter_server(data):
 def time_steps(device, data, repeats: int) -> dict:
     """Median time of one step (forward, backward, gradient sync), interleaved with DDP."""
     ours = GPT(CONFIG, seed=0).to(device)
-    ddp = torch.nn.parallel.DistributedDataParallel(GPT(CONFIG, seed=0).to(device))
+    ddp = builtin_ddp(GPT(CONFIG, seed=0).to(device))
     n, rank = dist.get_world_size(), dist.get_rank()
     x, y = (t[:GLOBAL_BATCH].tensor_split(n)[rank].to(device) for t in data.tensors)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -21,7 +21,6 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
@@ -29,7 +28,7 @@ from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.ddp import DDP, assign_buckets
 from labkit.models import GPT, GPTConfig
-from labkit.oracles import DDP_BENCH_GPT
+from labkit.oracles import DDP_BENCH_GPT, builtin_ddp
 
 SMALL = GPTConfig(block_size=8, n_embd=16)    # for exactness
 BENCH = GPTConfig(**DDP_BENCH_GPT)            # for bytes and overlap
@@ -77,7 +76,7 @@ def check_correctness(device) -> dict:
     candidates = {
         "DDP, buckets": lambda m: DDP(m, bucket_cap_mb=CAP_MB),
         "DDP, per parameter": lambda m: DDP(m, bucket_cap_mb=None),
-        "DistributedDataParallel": lambda m: DistributedDataParallel(m, bucket_cap_mb=CAP_MB),
+        "DistributedDataParallel": lambda m: builtin_ddp(m, bucket_cap_mb=CAP_MB),
     }
     verdicts = {}
     for label, wrap in candidates.items():

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.oracles import FSDP_BENCH_GPT
+from labkit.oracles import FSDP_BENCH_GPT, builtin_fully_shard
 from labkit.comm import CommTracer
 from labkit.data import markov_tokens
 from labkit.course.labscript import lab_arguments, run_lab
@@ -60,12 +60,7 @@ def make_model(kind: str, device, dtype=torch.float32, **options):
             fully_shard(block, **options)
         fully_shard(model, **options)
     elif kind == "torch":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        builtin_fully_shard(model)  # over every rank, on the model's device type
     return model
 
 

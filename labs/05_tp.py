@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.oracles import builtin_tensor_parallel
+from labkit.oracles import builtin_tensor_parallel, device_mesh
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.memory import param_bytes
@@ -63,8 +63,7 @@ def batch(step: int, device):
 
 
 def mesh(device):
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(device.type, (dist.get_world_size(),))
+    return device_mesh(device_type=device.type)
 
 
 def builtin_loss(model, x, y):

@@ -28,6 +28,7 @@ from labkit.check import mismatch
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.models import GPT, GPTConfig
+from labkit.oracles import device_mesh
 
 STEPS, GLOBAL_BATCH, MICROBATCHES, T = 5, 24, 2, 8
 AXES = ("dp", "pp", "cp", "tp")
@@ -76,9 +77,8 @@ def single_process(tie: bool) -> list[float]:
 
 def check_groups(grid, shape) -> str | None:
     """None if this rank's coordinates and groups equal init_device_mesh's, else what differs."""
-    from torch.distributed.device_mesh import init_device_mesh
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=AXES)
+    mesh = device_mesh(shape, AXES)
     theirs = dict(zip(AXES, mesh.get_coordinate()))
     if grid.coords(rank) != theirs:
         return f"rank {rank} at {grid.coords(rank)}, init_device_mesh puts it at {theirs}"

@@ -10,6 +10,9 @@ imports has no cycle outside the course machinery.
 """
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from labkit.course.chapters import CHAPTERS
@@ -93,3 +96,45 @@ def test_every_chapter_has_its_files():
         assert (root / "tests" / "grading" / f"test_{module}.py").exists(), module
         for folder, suffix in (("chapters", ".ipynb"), ("labs", ".ipynb"), ("labs", ".py")):
             assert list((root / folder).glob(f"{number}_*{suffix}")), f"{folder}/{number}_*{suffix} missing"
+
+
+# PyTorch's implementations the oracles set up; the comparison code (tests, labs, bench) asks
+# labkit.oracles for them instead of writing the set-up again. (init_device_mesh is not
+# listed: tests also call it to compare layouts. tests/mutants use built-ins on purpose. The
+# lab notebooks are not scanned: some still set the built-ins up in their cells.)
+BUILTINS = ("torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
+            "torch.distributed.checkpoint", "torch.nn.parallel")
+
+
+def dotted(node) -> str | None:
+    """'torch.nn.parallel.DistributedDataParallel' for that attribute chain, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
+def test_builtins_are_set_up_only_in_the_oracles():
+    root = PACKAGE.parent
+    files = [*root.glob("labs/*.py"), *(PACKAGE / "course" / "bench").glob("*.py"),
+             *root.glob("tests/grading/**/*.py"), *root.glob("tests/test_*.py")]
+    found = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [dotted(node) or ""] if isinstance(node, ast.Attribute) else []
+            found += [f"{path.relative_to(root)}:{node.lineno}: {name}" for name in names
+                      if name.startswith(BUILTINS)]
+    assert not found, "set up in labkit.oracles instead:\n  " + "\n  ".join(sorted(set(found)))
+
+
+def test_importing_the_oracles_costs_nothing_beyond_torch():
+    """labkit.oracles imports torch.distributed's submodules inside its functions: `labkit
+    tasks` and the pytest process stay fast (torch.distributed.optim compiles TorchScript)."""
+    code = ("import sys, torch; before = set(sys.modules); import labkit.oracles; "
+            "print(sorted(m for m in set(sys.modules) - before if m.startswith('torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent))).stdout
+    assert out.strip() == "[]", f"importing labkit.oracles imported {out.strip()} beyond torch"

@@ -295,9 +295,9 @@ def test_meta_tensors_are_counted_per_storage_not_per_address():
 
 
 def zero_redundancy_state_bytes():
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from labkit.oracles import builtin_zero
     model = nn.Linear(16, 16)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+    opt = builtin_zero(model.parameters(), torch.optim.AdamW)
     model(torch.ones(2, 16)).sum().backward()
     opt.step()
     inner = sum(t.nbytes for s in opt.optim.state.values() for t in s.values())

@@ -36,13 +36,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
+from labkit.oracles import builtin_ddp
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
@@ -224,8 +224,8 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
     ours = DDP(models["ours"], process_group=group, init_sync=False, broadcast_buffers=False, **ddp_kwargs)
     for p in trainable:
         p.register_post_accumulate_grad_hook(lambda _: hooks.append((before.pop(), len(traced[0].timeline))))
-    builtin = DistributedDataParallel(models["builtin"], process_group=group,
-                                      find_unused_parameters=ddp_kwargs.get("find_unused_parameters", False))
+    builtin = builtin_ddp(models["builtin"], process_group=group,
+                          find_unused_parameters=ddp_kwargs.get("find_unused_parameters", False))
     optims = {name: torch.optim.SGD(m.parameters(), **SGD) for name, m in models.items()}
     per_step = micro_steps * n * BATCH
     x, y = make_data(kind, STEPS * per_step)
@@ -324,7 +324,7 @@ def broadcast_on_rank(groups=None) -> None:
             assert_close(model.scale, expected.scale + src,
                          f"{where}, toy model, buffer 'scale' after forward vs group rank 0's "
                          "(broadcast_buffers=True)")
-    builtin = DistributedDataParallel(ToyModel(seed=rank), process_group=group)
+    builtin = builtin_ddp(ToyModel(seed=rank), process_group=group)
     for (name, t), e in zip(builtin.module.named_parameters(), rank0["toy"].parameters()):
         assert_close(t.detach(), e.detach(), f"{where}: the test's own check of the built-in, {name!r}")
 

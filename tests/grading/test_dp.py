@@ -43,6 +43,7 @@ from labkit.comm import CommTracer, Op, assert_ops
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
+from labkit.oracles import builtin_ddp
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
@@ -233,7 +234,7 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
         ddp = None
         if not weighted:
             ddp_model = make_model()
-            ddp = torch.nn.parallel.DistributedDataParallel(ddp_model, find_unused_parameters=True)
+            ddp = builtin_ddp(ddp_model, find_unused_parameters=True)
             ddp_opt = sgd(ddp_model, lr)
         frozen = {k: p.detach().clone() for k, p in model.named_parameters() if not p.requires_grad}
         for step, (x, y) in enumerate(batches):

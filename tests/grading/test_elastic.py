@@ -686,18 +686,11 @@ def test_a_checkpoint_from_two_ranks_loads_at_one_three_and_four(tmp_path, kind)
 def train_both_and_save(root: str, steps: int):
     """The learner's FSDP GPT and torch's fully_shard GPT, trained side by side; saved with
     elastic.save_checkpoint and with DCP."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from labkit.elastic import Progress, capture_state, save_checkpoint
     from labkit.models import GPT
+    from labkit.oracles import builtin_fully_shard, dcp_save
     model, opt = build("fsdp")
-    theirs = GPT(gpt_config()).double()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in theirs.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
+    theirs = builtin_fully_shard(GPT(gpt_config()).double())
     their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
     for step in range(steps):
         for m, o in ((model, opt), (theirs, their_opt)):
@@ -705,33 +698,22 @@ def train_both_and_save(root: str, steps: int):
             o.step()
             o.zero_grad(set_to_none=True)
     save_checkpoint(capture_state(model, opt, Progress(step=steps)), f"{root}/ours", steps)
-    model_state, optim_state = get_state_dict(theirs, their_opt)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=f"{root}/dcp")
+    dcp_save(theirs, their_opt, f"{root}/dcp")
 
 
 def load_both_full(root: str, steps: int):
     """Both checkpoints loaded at this world size; the full model states, on rank 0."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from labkit import oracles
     from labkit.elastic import checkpoint_dir, load_checkpoint
     from labkit.fsdp import full_state_dict
     from labkit.models import GPT
     model, opt = build("fsdp")
     load_checkpoint(checkpoint_dir(f"{root}/ours", steps), model, opt)
     ours = full_state_dict(model)
-    theirs = GPT(gpt_config()).double()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in theirs.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(theirs, mesh=mesh)
+    theirs = oracles.builtin_fully_shard(GPT(gpt_config()).double())
     their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
-    model_state, optim_state = get_state_dict(theirs, their_opt)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=f"{root}/dcp")
-    set_state_dict(theirs, their_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    full = get_model_state_dict(theirs, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    oracles.dcp_load(theirs, their_opt, f"{root}/dcp")
+    full = oracles.full_state_dict(theirs)
     return (ours, full) if dist.get_rank() == 0 else None
 
 

@@ -409,14 +409,9 @@ def backward_on_rank() -> list:
 
 def builtin_losses() -> list[float]:
     """The same GPT training with torch.distributed.fsdp.fully_shard."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from labkit.models import GPT, GPTConfig
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = GPT(GPTConfig()).double()
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    from labkit.oracles import builtin_fully_shard
+    model = builtin_fully_shard(GPT(GPTConfig()).double())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []
     for step in range(STEPS):
@@ -513,16 +508,13 @@ def emulated_mixed_precision(model, x, y, param_dtype):
 
 
 def mixed_precision_on_rank(param_dtype, reduce_dtype, replicate=False):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from labkit.fsdp import fully_shard
     from labkit.models import GPT, GPTConfig
+    from labkit.oracles import builtin_fully_shard, mixed_precision_policy
     one_thread()
     rank, n = dist.get_rank(), dist.get_world_size()
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = mixed_precision_policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ours, theirs, single = GPT(GPTConfig()), GPT(GPTConfig()), GPT(GPTConfig())
-    mesh = init_device_mesh("cpu", (n,))
     # replicate: the LayerNorms and the output-projection biases kept whole; they must compute
     # in param_dtype too (torch shards them all: the same numbers, another route for the gradients)
     kept = lambda m: [p for name, p in m.named_parameters()  # noqa: E731
@@ -530,9 +522,7 @@ def mixed_precision_on_rank(param_dtype, reduce_dtype, replicate=False):
     for block in ours.blocks:
         fully_shard(block, mp_policy=policy, replicate_params=kept(block))
     fully_shard(ours, mp_policy=policy, replicate_params=list(ours.ln_f.parameters()) if replicate else [])
-    for block in theirs.blocks:
-        torch_fully_shard(block, mesh=mesh, mp_policy=policy)
-    torch_fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    builtin_fully_shard(theirs, mp_policy=policy)
     units = [""] + [f"blocks.{i}" for i in range(len(ours.blocks))]
     whole = {name for name, _ in single.named_parameters() if "ln_" in name or name.endswith("c_proj.bias")} \
         if replicate else set()

@@ -89,12 +89,12 @@ def check_layout_of(grid, ranks: torch.Tensor, where: str) -> None:
 
 
 def grid_on_rank(shape):
-    from torch.distributed.device_mesh import init_device_mesh
     from labkit.mesh import AXES, RankGrid
+    from labkit.oracles import device_mesh
     rank = dist.get_rank()
     degrees = dict(zip(AXES, shape))
     grid = RankGrid(dist.get_world_size(), **degrees).make_groups()
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=AXES)
+    mesh = device_mesh(shape, AXES)
     check_layout_of(grid, mesh.mesh, "")  # every rank and every axis, as init_device_mesh lays them out
     for axis in AXES:
         ours = dist.get_process_group_ranks(grid.group(axis))
@@ -300,19 +300,13 @@ def test_3d_training_matches_one_process(dp, tp, pp):
 def builtin_2d_on_rank(dp: int, tp: int):
     """torch's 2-D composition of the same (untied) GPT: parallelize_module on the tp
     sub-mesh, then fully_shard on the dp sub-mesh; the loss curve."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from labkit.oracles import builtin_tensor_parallel
     from labkit.mesh import RankGrid, dp_slice, train_2d
     from labkit.models import GPT
+    from labkit.oracles import builtin_2d
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    model = builtin_tensor_parallel(GPT(config(False)).double(), mesh["tp"])
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    model = builtin_2d(GPT(config(False)).double(), dp, tp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grid = RankGrid(dp * tp, dp=dp, tp=tp).make_groups()
     x, y = batches()

@@ -407,20 +407,15 @@ def run_schedule_on_rank(kind: str, ms: list[int], v: int, memory_m: int | None)
 
 def builtin_on_rank(kind: str, m: int, v: int):
     """The same (untied) stages under torch.distributed.pipelining; losses per step."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble)
     from labkit import pp
     from labkit.models import GPT
+    from labkit.oracles import builtin_pipeline
     torch.set_num_threads(1)
     p, rank = dist.get_world_size(), dist.get_rank()
     stages_total = p * v
     stages = pp.split_gpt(GPT(config(p, v, tie=False)).double(), stages_total)
     mine = [s for s in range(stages_total) if pp.rank_of_stage(s, p) == rank]
-    torch_stages = [PipelineStage(stages[s], s, stages_total, torch.device("cpu")) for s in mine]
-    schedule = {"gpipe": lambda: ScheduleGPipe(torch_stages[0], m, loss_fn=pp.gpt_loss),
-                "1f1b": lambda: Schedule1F1B(torch_stages[0], m, loss_fn=pp.gpt_loss),
-                "interleaved": lambda: ScheduleInterleaved1F1B(torch_stages, m, loss_fn=pp.gpt_loss),
-                "zero_bubble": lambda: ScheduleInterleavedZeroBubble(torch_stages, m, loss_fn=pp.gpt_loss)}[kind]()
+    schedule = builtin_pipeline({s: stages[s] for s in mine}, stages_total, kind, m, pp.gpt_loss)
     opt = torch.optim.AdamW([q for s in mine for q in stages[s].parameters()], lr=1e-2)
     x, y = tokens(m)
     losses = []

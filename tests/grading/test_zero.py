@@ -260,10 +260,9 @@ def test_partition(world_size):
 
 
 def stage1_on_rank(group_ranks=None, models=tuple(MODELS)) -> None:
-    # Imported here, on the ranks (whose server has it loaded), not in the pytest process:
-    # torch.distributed.optim compiles TorchScript at import, seconds of work.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    # builtin_zero imports torch.distributed.optim on the ranks (whose server has it loaded),
+    # not in the pytest process: it compiles TorchScript at import, seconds of work.
+    from labkit.oracles import builtin_zero
     from labkit.zero import ShardedOptimizer
     one_thread()
     rank = dist.get_rank()
@@ -276,7 +275,7 @@ def stage1_on_rank(group_ranks=None, models=tuple(MODELS)) -> None:
         ref = single_process(model_name)
         (x, y), ours_model, zro_model = data(), make(), make()
         ours = ShardedOptimizer(ours_model.parameters(), OPTIMIZER, group=group, **OPTIONS)
-        zro = ZeroRedundancyOptimizer(zro_model.parameters(), OPTIMIZER, process_group=group, **OPTIONS)
+        zro = builtin_zero(zro_model.parameters(), OPTIMIZER, process_group=group, **OPTIONS)
         for step in range(STEPS):
             for model in (ours_model, zro_model):
                 loss_fn(model, *batch(x, y, step, me, n)).backward()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
+from labkit.oracles import builtin_ddp
 from labkit.timing import interleaved_medians
 
 
@@ -18,7 +18,7 @@ def _dp_step_vs_ddp(repeats: int) -> dict:
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
     ours = GPT(config)
-    ddp = torch.nn.parallel.DistributedDataParallel(GPT(config))
+    ddp = builtin_ddp(GPT(config))
     batch = markov_tokens(8, config.block_size, config.vocab_size, seed=dist.get_rank())
 
     def ours_step(b):

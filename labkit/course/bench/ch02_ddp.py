@@ -6,7 +6,7 @@ import torch
 
 from labkit.course.bench.runner import BenchRow, race_training_steps, rank_batch, row
 from labkit.launch import launch
-from labkit.oracles import DDP_BENCH_GPT
+from labkit.oracles import DDP_BENCH_GPT, builtin_ddp
 
 
 def _ddp_vs_builtin(repeats: int, batch: int) -> dict:
@@ -15,7 +15,7 @@ def _ddp_vs_builtin(repeats: int, batch: int) -> dict:
     from labkit.ddp import DDP
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(**DDP_BENCH_GPT)
-    models = {"ours": DDP(GPT(config)), "builtin": torch.nn.parallel.DistributedDataParallel(GPT(config))}
+    models = {"ours": DDP(GPT(config)), "builtin": builtin_ddp(GPT(config))}
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
     calls = {name: tracer.count("all_reduce") for name, tracer in tracers.items()}

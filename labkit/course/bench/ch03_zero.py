@@ -6,7 +6,7 @@ import torch
 
 from labkit.course.bench.runner import BenchRow, race_training_steps, rank_batch, row
 from labkit.launch import launch
-from labkit.oracles import ZERO_BENCH_GPT
+from labkit.oracles import ZERO_BENCH_GPT, builtin_ddp, builtin_zero
 
 
 def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
@@ -15,17 +15,14 @@ def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
 
     Stage 1 (``shard_gradients=False``) runs under DDP too, as ZeroRedundancyOptimizer does;
     stage 2 averages the gradients itself (reduce-scatter), so its model is not wrapped."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
     from labkit.models import GPT, GPTConfig
     from labkit.zero import ShardedOptimizer
     config = GPTConfig(**ZERO_BENCH_GPT)
-    ours_model = GPT(config) if shard_gradients else DistributedDataParallel(GPT(config))
-    models = {"ours": ours_model, "builtin": DistributedDataParallel(GPT(config))}
+    ours_model = GPT(config) if shard_gradients else builtin_ddp(GPT(config))
+    models = {"ours": ours_model, "builtin": builtin_ddp(GPT(config))}
     optims = {"ours": ShardedOptimizer(models["ours"].parameters(), torch.optim.AdamW,
                                        shard_gradients=shard_gradients, lr=1e-3),
-              "builtin": ZeroRedundancyOptimizer(models["builtin"].parameters(), torch.optim.AdamW, lr=1e-3)}
+              "builtin": builtin_zero(models["builtin"].parameters(), torch.optim.AdamW, lr=1e-3)}
     medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
     sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
     kinds = {name: sorted(tracer.kinds()) for name, tracer in tracers.items()}

@@ -3,31 +3,25 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from labkit.course.bench.runner import BenchRow, race_training_steps, rank_batch, row
 from labkit.launch import launch
-from labkit.oracles import FSDP_BENCH_GPT
+from labkit.oracles import FSDP_BENCH_GPT, builtin_fully_shard, mixed_precision_policy
 
 
 def _fsdp_vs_fully_shard(repeats: int, batch: int) -> dict:
     """A full training step (forward, backward, AdamW step) of the GPT sharded per block
     and at the root, with labkit.fsdp.fully_shard and with torch's fully_shard, interleaved."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     from labkit import fsdp
     from labkit.memory import param_bytes
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(**FSDP_BENCH_GPT)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     models = {"ours": GPT(config), "builtin": GPT(config)}
     full_bytes = param_bytes(models["ours"])
-    for shard, model in ((fsdp.fully_shard, models["ours"]),
-                         (lambda m: torch_fully_shard(m, mesh=mesh), models["builtin"])):
-        for block in model.blocks:
-            shard(block)
-        shard(model)
+    for block in models["ours"].blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(models["ours"])
+    builtin_fully_shard(models["builtin"])
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
     sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
@@ -52,21 +46,15 @@ def fsdp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow
 def _fsdp_mixed_vs_fully_shard(repeats: int, batch: int) -> dict:
     """A training step of the FSDP lab's GPT with bf16 parameters and fp32 reductions, with
     labkit.fsdp.fully_shard and torch's fully_shard under the same MixedPrecisionPolicy."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
     from labkit import fsdp
     from labkit.models import GPT, GPTConfig
     config = GPTConfig(**FSDP_BENCH_GPT)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = mixed_precision_policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     models = {"ours": GPT(config), "builtin": GPT(config)}
-    for shard, model in ((lambda m: fsdp.fully_shard(m, mp_policy=policy), models["ours"]),
-                         (lambda m: torch_fully_shard(m, mesh=mesh, mp_policy=policy), models["builtin"])):
-        for block in model.blocks:
-            shard(block)
-        shard(model)
+    for block in models["ours"].blocks:
+        fsdp.fully_shard(block, mp_policy=policy)
+    fsdp.fully_shard(models["ours"], mp_policy=policy)
+    builtin_fully_shard(models["builtin"], mp_policy=policy)
     optims = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
     medians, tracers = race_training_steps(models, optims, rank_batch(config, batch), repeats)
     sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}

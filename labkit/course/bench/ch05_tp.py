@@ -7,14 +7,13 @@ import torch.distributed as dist
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
-from labkit.oracles import TP_BENCH_GPT, builtin_tensor_parallel
+from labkit.oracles import TP_BENCH_GPT, builtin_tensor_parallel, device_mesh
 from labkit.timing import interleaved_medians
 
 
 def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
     """One training step (forward, backward, AdamW) of the GPT split by labkit.tp and by
     parallelize_module (+ loss_parallel), interleaved; then one traced step each."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel
 
     from labkit.comm import CommTracer
@@ -25,7 +24,7 @@ def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
     config = GPTConfig(**TP_BENCH_GPT)
     full_bytes = param_bytes(GPT(config))
     ours = tensor_parallel(GPT(config))
-    builtin = builtin_tensor_parallel(GPT(config), init_device_mesh("cpu", (dist.get_world_size(),)))
+    builtin = builtin_tensor_parallel(GPT(config), device_mesh())
     optims = {"ours": torch.optim.AdamW(ours.parameters(), lr=1e-3),
               "builtin": torch.optim.AdamW(builtin.parameters(), lr=1e-3)}
     data = markov_tokens(batch, config.block_size, config.vocab_size, seed=0)  # the same on every rank

@@ -7,15 +7,13 @@ import torch.distributed as dist
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
-from labkit.oracles import PP_BENCH_GPT
+from labkit.oracles import PP_BENCH_GPT, builtin_pipeline
 from labkit.timing import interleaved_medians
 
 
 def _1f1b_vs_schedule_1f1b(repeats: int, microbatches: int, micro_batch: int) -> dict:
     """One training step (1F1B forward/backward of every micro-batch, then AdamW) with
     labkit.pp's runner and with torch's PipelineStage + Schedule1F1B, interleaved."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
     from labkit import pp
     from labkit.comm import CommTracer
     from labkit.data import markov_tokens
@@ -26,7 +24,7 @@ def _1f1b_vs_schedule_1f1b(repeats: int, microbatches: int, micro_batch: int) ->
     theirs = pp.split_gpt(GPT(config), p)[rank]
     runner = pp.PipelineRunner({rank: ours}, p)
     actions = pp.one_f_one_b(p, microbatches)[rank]
-    schedule = Schedule1F1B(PipelineStage(theirs, rank, p, torch.device("cpu")), microbatches, loss_fn=pp.gpt_loss)
+    schedule = builtin_pipeline({rank: theirs}, p, "1f1b", microbatches, pp.gpt_loss)
     optims = {"ours": torch.optim.AdamW(ours.parameters(), lr=1e-3),
               "builtin": torch.optim.AdamW(theirs.parameters(), lr=1e-3)}
     x, y = markov_tokens(microbatches * micro_batch, config.block_size, config.vocab_size, seed=0)

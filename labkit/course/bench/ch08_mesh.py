@@ -6,15 +6,13 @@ import torch
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
-from labkit.oracles import MESH_BENCH_GPT, builtin_tensor_parallel
+from labkit.oracles import MESH_BENCH_GPT, builtin_2d
 from labkit.timing import interleaved_medians
 
 
 def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     """One training step of the GPT on a dp x tp mesh: labkit.mesh.parallelize_2d (the
     course's TP + FSDP) vs fully_shard on the dp sub-mesh + parallelize_module on tp."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import loss_parallel
 
     from labkit.comm import CommTracer
@@ -24,11 +22,7 @@ def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     config = GPTConfig(**MESH_BENCH_GPT)
     grid = RankGrid(dp * tp, dp=dp, tp=tp).make_groups()
     ours = parallelize_2d(GPT(config), grid)
-    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    builtin = builtin_tensor_parallel(GPT(config), mesh["tp"])
-    for block in builtin.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(builtin, mesh=mesh["dp"])
+    builtin = builtin_2d(GPT(config), dp, tp)
     optims = {"ours": torch.optim.AdamW(ours.parameters(), lr=1e-3),
               "builtin": torch.optim.AdamW(builtin.parameters(), lr=1e-3)}
     x, y = markov_tokens(batch * dp, config.block_size, config.vocab_size, seed=0)
