@@ -50,6 +50,10 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
     "elastic": (("torch.distributed.checkpoint",), "chapter 09 builds the checkpoint (DCP is the oracle)"),
     "moe": (("torch.distributed.nn", "torch.distributed._functional_collectives", "torch.distributed.tensor"),
             "chapter 10 builds the all-to-all dispatch with its autograd (dist.all_to_all_single is the building block)"),
+    "recompute": (("torch.utils.checkpoint", "torch.autograd.graph.save_on_cpu", "torch.distributed.fsdp",
+                   "torch.distributed.algorithms", "torch.nn.parallel"),
+                  "chapter 12 builds recomputation, offloading and accumulation (torch.utils.checkpoint, "
+                  "save_on_cpu, CPUOffloadPolicy and no_sync are the oracles)"),
 }
 
 
