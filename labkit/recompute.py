@@ -23,18 +23,22 @@ attention scores). Three ways to hold less:
   activations of one micro-batch at a time. The loss of each is scaled by 1/m so the sum is
   the mean over the whole batch, and data-parallel ranks average gradients once, after the
   last micro-batch (chapter 02's ``no_sync``).
+* **Optimizer offloading** (ZeRO-Offload): the fp32 master weights and Adam's moments, 12 of the
+  16 bytes per parameter of mixed-precision training, on the host; the update runs there.
 
 The course GPT (``labkit.models``) has no dropout and calls fused attention; this chapter's
 ``MemoryBlock`` is the same block (same weights) written out op by op, with dropout, so that
-every saved tensor is visible and countable (``saved_bytes``, the chapter's formula).
+every saved tensor is visible and countable (``SavedTensors``; ``block_saved_bytes`` is the chapter's
+formula).
 
 Tasks (run ``labkit grade recompute``; tests in ``tests/grading/test_recompute.py``):
     recompute.checkpoint  Checkpoint (an autograd.Function), checkpoint_every (the policy)
-    recompute.selective   causal_attention's recomputed core (SelectiveCore)
+    recompute.selective   causal_attention(..., selective=True): the core recomputed in backward
     recompute.offload     OffloadPool: pack, unpack, prefetch
     recompute.accumulate  accumulate: scaled micro-batches, one all-reduce per parameter at the end
-Bad input (k < 1, no micro-batches, a dropout probability outside [0, 1)) raises ValueError
-before anything runs.
+    recompute.optimizer_offload  OffloadedAdamW: fp32 master and moments on the host, 16-bit on the device
+Bad input (k < 1, no micro-batches, a dropout probability outside [0, 1), an optimizer without
+parameters) raises ValueError before anything runs.
 """
 
 from __future__ import annotations
@@ -310,6 +314,59 @@ def offloaded_forward(gpt: GPT, pool: OffloadPool, idx, targets):
             x = block(x)
     logits = gpt.lm_head(gpt.ln_f(x))
     return logits, gpt.loss(logits, targets)
+
+
+# ----------------------------------------------------------------------------- optimizer offload
+
+class OffloadedAdamW:
+    """ZeRO-Offload's idea (Ren et al., 2021, arXiv:2101.06840) for one device: the model's
+    parameters and gradients stay on the device in 16 bits (2 + 2 bytes per parameter); the
+    fp32 master weights and AdamW's two fp32 moments (12 bytes per parameter) live on the host
+    (pinned when CUDA is there), and so does the update. Each step sends every gradient down
+    (2 bytes per parameter), updates the master on the host, and sends the master, cast to the
+    parameter's dtype, back up (2 bytes per parameter). The update is torch.optim.AdamW's
+    (decoupled weight decay, bias-corrected moments).
+
+    ``master``, ``exp_avg``, ``exp_avg_sq``: the host tensors, one per parameter, in order;
+    ``moved_bytes``: bytes sent over the link so far, both ways."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("recompute: OffloadedAdamW got no parameter that requires a gradient")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.steps, self.moved_bytes = 0, 0
+        pin = torch.cuda.is_available()
+        # BEGIN SOLUTION recompute.optimizer_offload: master = each parameter as fp32 on the host (pinned if CUDA); exp_avg and exp_avg_sq fp32 zeros like it
+        self.master = [torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin).copy_(p.detach())
+                       for p in self.params]
+        self.exp_avg = [torch.zeros_like(w) for w in self.master]
+        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]
+        # END SOLUTION
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        correction1, correction2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
+        for p, w, m, v in zip(self.params, self.master, self.exp_avg, self.exp_avg_sq):
+            if p.grad is None:
+                continue
+            # BEGIN SOLUTION recompute.optimizer_offload: grad to the host as fp32; w *= 1 - lr wd; m, v updated; w -= lr/c1 * m / (sqrt(v)/sqrt(c2) + eps); p.copy_(w) back; count the bytes both ways
+            grad = p.grad.to("cpu", torch.float32)
+            self.moved_bytes += p.grad.nbytes
+            w.mul_(1 - self.lr * self.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)
+            w.addcdiv_(m, denominator, value=-self.lr / correction1)
+            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4
+            self.moved_bytes += p.nbytes
+            # END SOLUTION
 
 
 # ----------------------------------------------------------------------------- accumulation

@@ -12,6 +12,8 @@ written out op by op (``MemoryBlock``):
   s b (72 h + 12 a s + 16), s b (72 h + 16) and 4 s b h (fp32 on CPU; doubled in float64);
 * your offload pool: the bytes on the host after forward (= the saved bytes of every layer)
   and the losses and gradients equal to the step without it;
+* your offloaded AdamW on a bf16 GPT: fp32 masters after each step equal torch.optim.AdamW's on
+  fp32 copies, 12 bytes per parameter on the host, 4 over the link per step;
 * gradient accumulation over 3 micro-batches: the gradients of the whole global batch, and
   one all-reduce per parameter, after the last micro-batch only;
 * time per step, yours vs torch.utils.checkpoint vs none, at three sequence lengths.
@@ -34,7 +36,8 @@ from labkit.models import GPT, GPTConfig
 
 DROPOUT, STEPS, MICRO = 0.2, 3, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
-TASKS = ("recompute.checkpoint", "recompute.selective", "recompute.offload", "recompute.accumulate")
+TASKS = ("recompute.checkpoint", "recompute.selective", "recompute.offload", "recompute.optimizer_offload",
+         "recompute.accumulate")
 
 
 def batch(rank: int, step: int, size: int = 2, seq: int = 16, vocab: int = 32):
@@ -113,6 +116,29 @@ def check_recompute() -> dict:
     return result
 
 
+def check_optimizer_offload() -> dict:
+    from labkit.recompute import OffloadedAdamW
+    rank = dist.get_rank()
+    model = GPT(CONFIG, seed=rank).to(torch.bfloat16)
+    params = list(model.parameters())
+    psi = sum(p.numel() for p in params)
+    opt = OffloadedAdamW(params, lr=1e-2)
+    ref = [p.detach().float().clone().requires_grad_(True) for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    masters_ok = True
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(*batch(rank, step))[1].backward()
+        for w, p in zip(ref, params):
+            w.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+        masters_ok &= all(mismatch(w, r.detach()) is None for w, r in zip(opt.master, ref))
+    host = sum(t.nbytes for t in opt.master + opt.exp_avg + opt.exp_avg_sq)
+    device = sum(p.nbytes for p in params)
+    return dict(masters_ok=masters_ok, host=host, device=device, psi=psi, moved=opt.moved_bytes)
+
+
 def check_accumulate() -> dict:
     from labkit.recompute import accumulate
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -159,6 +185,7 @@ def main() -> dict:
     result = dict(backend=dist.get_backend())
     try:
         result["recompute"] = check_recompute()
+        result["optimizer"] = check_optimizer_offload()
         result["accumulate"] = check_accumulate()
         result["timings"] = timings() if dist.get_rank() == 0 else []
     except NotImplementedError as exc:  # a stub raises on every rank alike
@@ -179,6 +206,9 @@ def report(results: list[dict]) -> bool:
         print(f"  {mode:9s} {got:9,d}  formula {want:9,d}")
     print(f"offload: {first['offload_bytes'][0]:,} B on the host after forward, formula "
           f"{first['offload_bytes'][1]:,} B (L x the per-block bytes)")
+    o = results[0]["optimizer"]
+    print(f"optimizer offload (bf16 GPT, {o['psi']:,} parameters): host {o['host']:,} B (12 per parameter), "
+          f"device parameters {o['device']:,} B (2 per parameter), {o['moved']:,} B over the link in {STEPS} steps")
     acc = results[0]["accumulate"]
     print(f"accumulation over {MICRO} micro-batches: {acc['all_reduces']} all-reduces after the last one "
           f"({acc['want_all_reduces']} expected: one per parameter)")
@@ -193,6 +223,10 @@ def report(results: list[dict]) -> bool:
         "bytes per block = formula (none, selective, full)": all(g == w for r in results for _, g, w in r["recompute"]["bytes"]),
         "offloading: losses and gradients = without it": all(r["recompute"]["offload_same"] for r in results),
         "offloading: host bytes = formula": all(r["recompute"]["offload_bytes"][0] == r["recompute"]["offload_bytes"][1] for r in results),
+        "optimizer offload: fp32 masters = torch.optim.AdamW's": all(r["optimizer"]["masters_ok"] for r in results),
+        "optimizer offload: 12 B/parameter on the host, 4 B/parameter per step over the link": all(
+            r["optimizer"]["host"] == 12 * r["optimizer"]["psi"] and r["optimizer"]["moved"] == 4 * STEPS * r["optimizer"]["psi"]
+            for r in results),
         "accumulation: gradients of the global batch": all(r["accumulate"]["grads_ok"] for r in results),
         "accumulation: nothing communicated before the last micro-batch": all(r["accumulate"]["quiet_before_last"] for r in results),
         "accumulation: one all-reduce per parameter, nothing else": all(

@@ -15,6 +15,10 @@ every step and every gradient. Then what the technique is for:
 * selective: per block s b (72 h + 16) x element size / 4 saved bytes at several s, b, h, a;
 * offload: bytes on the host after forward = the layers' saved bytes, each layer's offload,
   fetch and prefetch events in order, at most two layers back on the device at once;
+* optimizer_offload: a bf16 GPT whose fp32 master weights and AdamW moments live on the host
+  (12 bytes per parameter), the masters after each of 5 steps against torch.optim.AdamW on fp32
+  copies fed the same bf16 gradients, the bf16 parameters equal to their master cast, 4 bytes
+  per parameter over the link per step;
 * accumulate: at world sizes 1-3, the gradients of one big batch (every rank's micro-batches
   in one process) after each of 5 steps, and the whole communication: nothing before the last
   micro-batch's backward, then one all-reduce per parameter of its gradient's bytes.
@@ -263,6 +267,45 @@ def accumulate_on_rank() -> None:
         ref_opt.step()
 
 
+# ----------------------------------------------------------------------------- optimizer offload
+
+def optimizer_offload_on_rank() -> None:
+    from labkit.memory import tensor_bytes
+    from labkit.models import GPT
+    from labkit.recompute import OffloadedAdamW
+    rank = dist.get_rank()
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(config, seed=rank).to(torch.bfloat16)
+    params = list(model.parameters())
+    psi = sum(p.numel() for p in params)
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    what = f"recompute.optimizer_offload: rank {rank}"
+    host = opt.master + opt.exp_avg + opt.exp_avg_sq
+    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host), (
+        f"{what}: master weights and both moments must be fp32 tensors on the host, got "
+        f"{sorted({(t.device.type, str(t.dtype)) for t in host})}")
+    assert tensor_bytes(host) == 12 * psi, f"{what}: host holds {tensor_bytes(host)} B, want 12 x {psi} (fp32 master + 2 moments)"
+    assert all(t.is_pinned() == torch.cuda.is_available() for t in opt.master), f"{what}: host master pinned iff CUDA"
+    ref_master = [p.detach().float().clone().requires_grad_(True) for p in params]
+    ref_opt = torch.optim.AdamW(ref_master, lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = tokens(rank, step)
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        grads = [p.grad.float() for p in params]
+        opt.step()
+        for w, g in zip(ref_master, grads):
+            w.grad = g
+        ref_opt.step()
+        assert opt.moved_bytes == (step + 1) * 4 * psi, (
+            f"{what}, step {step}: {opt.moved_bytes} B over the link so far, want (step + 1) x 4 x {psi} "
+            "(bf16 gradients down, bf16 parameters up)")
+        for i, (p, w, ref) in enumerate(zip(params, opt.master, ref_master)):
+            assert_close(w, ref.detach(), f"{what}, step {step}: fp32 master of parameter {i} vs torch.optim.AdamW")
+            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), w.to(torch.bfloat16)), (
+                f"{what}, step {step}: parameter {i} on the device must be its updated master cast to bf16")
+
+
 @task("recompute.checkpoint", points=3)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_checkpoint(world_size):
@@ -285,3 +328,9 @@ def test_offload(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_accumulate(world_size):
     run_graded("recompute.accumulate", accumulate_on_rank, world_size, timeout=120)
+
+
+@task("recompute.optimizer_offload", points=2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_optimizer_offload(world_size):
+    run_graded("recompute.optimizer_offload", optimizer_offload_on_rank, world_size, timeout=120)

@@ -62,4 +62,25 @@ MUTANTS = [
                    "                    p.grad.div_(n)\n    if False:\n"),
     Mutant("recompute.accumulate", "no_divide_by_n", "sums the ranks' gradients without dividing by N",
            find="                p.grad.div_(n)\n", replace=""),
+    # recompute.optimizer_offload
+    Mutant("recompute.optimizer_offload", "no_fp32_master", "updates the bf16 parameter itself: small updates round away",
+           find="            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+                "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-self.lr / correction1)\n"
+                   "            p.mul_(1 - self.lr * self.weight_decay)\n            w.copy_(p)\n"),
+    Mutant("recompute.optimizer_offload", "not_copied_back", "updates the host master but never sends it back to the device",
+           find="            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace=""),
+    Mutant("recompute.optimizer_offload", "no_bias_correction", "leaves out Adam's bias correction",
+           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
+                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n",
+           replace="            denominator = v.sqrt().add_(self.eps)\n"
+                   "            w.addcdiv_(m, denominator, value=-self.lr)\n"),
+    Mutant("recompute.optimizer_offload", "moments_like_params", "keeps the moments like the parameters: bf16 on the device",
+           find="        self.exp_avg = [torch.zeros_like(w) for w in self.master]\n"
+                "        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]\n",
+           replace="        self.exp_avg = [torch.zeros_like(p) for p in self.params]\n"
+                   "        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]\n"),
+    Mutant("recompute.optimizer_offload", "fp32_up_the_link", "sends the fp32 master up and casts on the device: 4 bytes instead of 2",
+           find="            self.moved_bytes += p.nbytes\n", replace="            self.moved_bytes += w.nbytes\n"),
 ]
