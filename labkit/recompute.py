@@ -1,0 +1,396 @@
+"""Chapter 12 exercises: memory. Activation recomputation, activation offloading, accumulation.
+
+Backward needs tensors from forward: the input of every matmul, the output of every softmax,
+the mask of every dropout. Autograd keeps them ("saved tensors") from the moment forward makes
+them until backward uses them, so at the end of forward every layer's are alive at once: the
+activation memory of a step, which grows with layers x batch x sequence (and x sequence^2 for
+attention scores). Three ways to hold less:
+
+* **Recomputation** (Chen et al., 2016, arXiv:1604.06174): keep only a block's input; in
+  backward run the block's forward again, this time recording, and backpropagate through it.
+  One extra forward per checkpointed block buys back all of its saved tensors but its input.
+  Dropout must draw the same mask twice: the RNG state is saved before the forward and
+  restored for the recomputation.
+* **Selective recomputation** (Korthikanti et al., 2022, arXiv:2205.05198): most of a block's
+  activation bytes at long sequences are attention's a x s x s scores, softmax and dropout
+  mask, which are cheap to recompute (no weights, few FLOPs). Keep the matmul outputs,
+  recompute only the core ``softmax(q k^T / sqrt(d) + causal) -> dropout -> @ v``.
+* **Offloading** (as in ZeRO-Offload/ZeRO-Infinity and torch's ``save_on_cpu``): the tensors
+  autograd saves go to host memory as forward makes them (``saved_tensors_hooks``: *pack*
+  runs when a tensor is saved, *unpack* when backward needs it) and come back in backward,
+  the next layer's transfer started before backward reaches it (prefetch).
+* **Gradient accumulation**: m micro-batches one after another, gradients summed in place;
+  activations of one micro-batch at a time. The loss of each is scaled by 1/m so the sum is
+  the mean over the whole batch, and data-parallel ranks average gradients once, after the
+  last micro-batch (chapter 02's ``no_sync``).
+* **Optimizer offloading** (ZeRO-Offload): the fp32 master weights and Adam's moments, 12 of the
+  16 bytes per parameter of mixed-precision training, on the host; the update runs there.
+
+The course GPT (``labkit.models``) has no dropout and calls fused attention; this chapter's
+``MemoryBlock`` is the same block (same weights) written out op by op, with dropout, so that
+every saved tensor is visible and countable (``SavedTensors``; ``block_saved_bytes`` is the chapter's
+formula).
+
+Tasks (run ``labkit grade recompute``; tests in ``tests/grading/test_recompute.py``):
+    recompute.checkpoint  Checkpoint (an autograd.Function), checkpoint_every (the policy)
+    recompute.selective   causal_attention(..., selective=True): the core recomputed in backward
+    recompute.offload     OffloadPool: pack, unpack, prefetch
+    recompute.accumulate  accumulate: scaled micro-batches, one all-reduce per parameter at the end
+    recompute.optimizer_offload  OffloadedAdamW: fp32 master and moments on the host, 16-bit on the device
+Bad input (k < 1, no micro-batches, a dropout probability outside [0, 1), an optimizer without
+parameters) raises ValueError before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.models import GPT, Block, GPTConfig
+
+
+# ----------------------------------------------------------------------------- the block, op by op
+
+class MemoryBlock(Block):
+    """``labkit.models.Block`` (same parameters, same names) with dropout after attention's
+    softmax and after each residual branch, attention written out (no fused kernel). With
+    ``selective`` the attention core is recomputed in backward instead of kept."""
+
+    def __init__(self, config: GPTConfig, dropout: float = 0.0, selective: bool = False):
+        super().__init__(config)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"recompute: dropout probability must be in [0, 1), got {dropout}")
+        self.dropout, self.selective, self.n_head = dropout, selective, config.n_head
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.attn.c_attn(self.ln_1(x)).split(C, dim=-1)
+        q, k, v = (t.reshape(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = causal_attention(q, k, v, p, self.selective)
+        y = y.transpose(1, 2).reshape(B, T, C)
+        x = x + F.dropout(self.attn.c_proj(y), p)
+        x = x + F.dropout(self.mlp.c_proj(F.gelu(self.mlp.c_fc(self.ln_2(x)))), p)
+        return x
+
+
+def memory_gpt(config: GPTConfig, dropout: float = 0.0, selective: bool = False, seed: int = 0) -> GPT:
+    """The course GPT with every block a ``MemoryBlock``: the same weights as ``GPT(config, seed)``."""
+    gpt = GPT(config, seed=seed)
+    for i, block in enumerate(gpt.blocks):
+        mine = MemoryBlock(config, dropout, selective)
+        mine.load_state_dict(block.state_dict())
+        gpt.blocks[i] = mine
+    return gpt
+
+
+def attention_core(q, k, v, p: float):
+    """softmax(q k^T / sqrt(d) + causal mask) -> dropout(p) -> @ v, for q, k, v [B, a, T, d]."""
+    T = q.shape[-2]
+    mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)  # added: nothing saved
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1])) + mask
+    return F.dropout(scores.softmax(dim=-1), p) @ v
+
+
+def causal_attention(q, k, v, p: float, selective: bool = False):
+    """The attention core, kept (autograd saves scores' softmax, dropout mask and dropped
+    probabilities: 12 a s^2 b bytes in fp32 on CPU) or, with ``selective``, recomputed in backward."""
+    if not selective:
+        return attention_core(q, k, v, p)
+    # BEGIN SOLUTION recompute.selective: the core through Checkpoint (q, k, v kept; softmax, dropout and scores recomputed)
+    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q, k, v)
+    # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- recomputation
+
+def _cuda_devices(tensors) -> list:
+    return sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+
+
+class Checkpoint(torch.autograd.Function):
+    """``Checkpoint.apply(fn, *inputs)``: ``fn(*inputs)`` run without recording; only the
+    inputs (and the RNG state) are kept. Backward re-runs ``fn`` with the RNG state of the
+    first run, recording, and backpropagates through it: the gradients of the inputs are
+    returned, those of ``fn``'s parameters accumulate into their ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        # BEGIN SOLUTION recompute.checkpoint: keep fn, inputs (save_for_backward) and the CPU (and CUDA) RNG state; run fn under no_grad
+        ctx.fn = fn
+        ctx.devices = _cuda_devices(inputs)
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.save_for_backward(*inputs)
+        with torch.no_grad():
+            return fn(*inputs)
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # BEGIN SOLUTION recompute.checkpoint: under fork_rng restore the saved RNG states, re-run fn on detached inputs with grad enabled, torch.autograd.backward(outputs, grads); return None, then the inputs' grads
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.random.fork_rng(devices=ctx.devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            for device, state in zip(ctx.devices, ctx.cuda_rng):
+                torch.cuda.set_rng_state(state, device)
+            with torch.enable_grad():
+                outputs = ctx.fn(*inputs)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None,) + tuple(t.grad if t.requires_grad else None for t in inputs)
+        # END SOLUTION
+
+
+class Checkpointed(nn.Module):
+    """A block whose forward runs through ``Checkpoint``: it keeps only its input."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        if not torch.is_grad_enabled():  # nothing would be saved anyway
+            return self.block(x)
+        return Checkpoint.apply(self.block, x)
+
+
+def checkpoint_every(gpt: GPT, k: int) -> list[int]:
+    """Wrap blocks 0, k, 2k, ... of ``gpt`` in ``Checkpointed`` (in place; parameter names gain
+    ``.block``); returns the indices wrapped. k = 1: every block."""
+    if k < 1:
+        raise ValueError(f"recompute: checkpoint every k-th block needs k >= 1, got {k}")
+    # BEGIN SOLUTION recompute.checkpoint: for i with i % k == 0 replace gpt.blocks[i] by Checkpointed(gpt.blocks[i])
+    wrapped = [i for i in range(len(gpt.blocks)) if i % k == 0]
+    for i in wrapped:
+        gpt.blocks[i] = Checkpointed(gpt.blocks[i])
+    return wrapped
+    # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- measuring saved tensors
+
+class SavedTensors:
+    """Counts the bytes autograd saves inside the block (each storage once; parameters, which
+    exist anyway, not counted)::
+
+        with SavedTensors(model) as saved:
+            loss = model(x).sum()
+        saved.bytes
+    """
+
+    def __init__(self, *exclude: nn.Module):
+        self.skip = {p.untyped_storage()._cdata for m in exclude for p in m.parameters()}
+        self.storages: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        if storage._cdata not in self.skip:
+            self.storages[storage._cdata] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def block_saved_bytes(s: int, b: int, h: int, a: int, mode: str = "none", dropout: bool = True,
+                      mask_bytes: int = 4) -> int:
+    """Bytes one ``MemoryBlock`` saves for backward in fp32 (the chapter derives each term).
+    Without dropout: none s b (64 h + 4 a s + 16), selective s b (64 h + 16). Dropout adds a
+    mask per residual branch (2 s b h masks) and, unless selective, the attention mask and the
+    dropped probabilities (a s^2 b each); a mask element is 4 bytes on CPU (dropout multiplies
+    by a float noise tensor), 1 on CUDA (a bool mask): in fp32 on CPU none = s b (72 h + 12 a s
+    + 16). full: 4 s b h, the block's input."""
+    if mode == "full":
+        return 4 * s * b * h
+    if mode not in ("none", "selective"):
+        raise ValueError(f"recompute: mode is none, selective or full, got {mode!r}")
+    per_sbh = 64 + (2 * mask_bytes if dropout else 0)
+    per_as = 0 if mode == "selective" else 4 + ((mask_bytes + 4) if dropout else 0)
+    return s * b * (per_sbh * h + per_as * a * s + 16)
+
+
+# ----------------------------------------------------------------------------- offloading
+
+class OffloadPool:
+    """Activation offloading with ``saved_tensors_hooks``: inside ``pool.layer(i)`` every tensor
+    autograd saves (parameters excepted) is copied to the host (pinned memory when CUDA is
+    there) and the device copy dropped; in backward, unpacking a tensor of layer i brings the
+    whole layer back and starts bringing layer i - 1 back too (prefetch), so its copy runs
+    while layer i computes. A layer fetched back is released from the host.
+
+    On a CPU-only machine the device and the host are one memory; the pool still keeps the
+    books as a GPU would: ``device_bytes`` (saved activations resident on the device) and
+    ``host_bytes`` (resident in the host pool), ``peak_device_bytes``, and ``events``, in order:
+    ("offload", layer, bytes), ("fetch", layer, bytes), ("prefetch", layer, bytes).
+    """
+
+    def __init__(self, *keep: nn.Module, device: torch.device | str | None = None):
+        self.keep = {p.untyped_storage()._cdata for m in keep for p in m.parameters()}
+        self.device = torch.device(device) if device is not None else None
+        self.pin = torch.cuda.is_available()
+        self.host: dict[int, list[torch.Tensor]] = {}       # layer -> its saved tensors on the host
+        self.fetched: dict[int, list[torch.Tensor]] = {}    # layer -> back on the device
+        self.host_bytes = self.device_bytes = self.peak_device_bytes = 0
+        self.events: list[tuple[str, int, int]] = []
+
+    @contextlib.contextmanager
+    def layer(self, index: int):
+        """Offload what autograd saves inside this block as layer ``index``."""
+        self.host.setdefault(index, [])
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(index, t), self.unpack):
+            yield
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
+        return host.copy_(t, non_blocking=self.pin)
+
+    def _to_device(self, t: torch.Tensor, device) -> torch.Tensor:
+        return t.to(device, non_blocking=self.pin, copy=True)
+
+    def pack(self, index: int, t: torch.Tensor):
+        """Called when autograd saves ``t`` in layer ``index``: returns what autograd keeps instead."""
+        if t.untyped_storage()._cdata in self.keep:
+            return ("kept", t)
+        # BEGIN SOLUTION recompute.offload: copy t to the host (self._to_host), append it to self.host[index], add its bytes to host_bytes, log ("offload", index, bytes); return (index, position, t.device)
+        self.host[index].append(self._to_host(t))
+        self.host_bytes += t.nbytes
+        self.events.append(("offload", index, t.nbytes))
+        return (index, len(self.host[index]) - 1, t.device)
+        # END SOLUTION
+
+    def unpack(self, handle):
+        """Called when backward needs a saved tensor back."""
+        if handle[0] == "kept":
+            return handle[1]
+        index, position, device = handle
+        # BEGIN SOLUTION recompute.offload: fetch layer index if it is not back yet, prefetch index - 1 if it has tensors on the host; return self.fetched[index][position]
+        if index not in self.fetched:
+            self._bring_back(index, device, "fetch")
+        if self.host.get(index - 1):
+            self._bring_back(index - 1, device, "prefetch")
+        return self.fetched[index][position]
+        # END SOLUTION
+
+    def _bring_back(self, index: int, device, why: str) -> None:
+        tensors = self.host.pop(index)
+        nbytes = sum(t.nbytes for t in tensors)
+        self.fetched[index] = [self._to_device(t, device) for t in tensors]
+        self.host_bytes -= nbytes
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        self.events.append((why, index, nbytes))
+
+    def release(self, index: int) -> None:
+        """Backward is done with layer ``index``: drop its device copies."""
+        tensors = self.fetched.pop(index, [])
+        self.device_bytes -= sum(t.nbytes for t in tensors)
+
+
+def offloaded_forward(gpt: GPT, pool: OffloadPool, idx, targets):
+    """``gpt(idx, targets)`` with each block's saved tensors offloaded as its own layer; each
+    layer's device copies released once backward has passed the block's input."""
+    B, T = idx.shape
+    x = gpt.wte(idx) + gpt.wpe(torch.arange(T, device=idx.device))
+    for i, block in enumerate(gpt.blocks):
+        if x.requires_grad:
+            x.register_hook(lambda grad, i=i: (pool.release(i), grad)[1])
+        with pool.layer(i):
+            x = block(x)
+    logits = gpt.lm_head(gpt.ln_f(x))
+    return logits, gpt.loss(logits, targets)
+
+
+# ----------------------------------------------------------------------------- optimizer offload
+
+class OffloadedAdamW:
+    """ZeRO-Offload's idea (Ren et al., 2021, arXiv:2101.06840) for one device: the model's
+    parameters and gradients stay on the device in 16 bits (2 + 2 bytes per parameter); the
+    fp32 master weights and AdamW's two fp32 moments (12 bytes per parameter) live on the host
+    (pinned when CUDA is there), and so does the update. Each step sends every gradient down
+    (2 bytes per parameter), updates the master on the host, and sends the master, cast to the
+    parameter's dtype, back up (2 bytes per parameter). The update is torch.optim.AdamW's
+    (decoupled weight decay, bias-corrected moments).
+
+    ``master``, ``exp_avg``, ``exp_avg_sq``: the host tensors, one per parameter, in order;
+    ``moved_bytes``: bytes sent over the link so far, both ways."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("recompute: OffloadedAdamW got no parameter that requires a gradient")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.steps, self.moved_bytes = 0, 0
+        pin = torch.cuda.is_available()
+        # BEGIN SOLUTION recompute.optimizer_offload: master = each parameter as fp32 on the host (pinned if CUDA); exp_avg and exp_avg_sq fp32 zeros like it
+        self.master = [torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=pin).copy_(p.detach())
+                       for p in self.params]
+        self.exp_avg = [torch.zeros_like(w) for w in self.master]
+        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]
+        # END SOLUTION
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.steps += 1
+        beta1, beta2 = self.betas
+        correction1, correction2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
+        for p, w, m, v in zip(self.params, self.master, self.exp_avg, self.exp_avg_sq):
+            if p.grad is None:
+                continue
+            # BEGIN SOLUTION recompute.optimizer_offload: grad to the host as fp32; w *= 1 - lr wd; m, v updated; w -= lr/c1 * m / (sqrt(v)/sqrt(c2) + eps); p.copy_(w) back; count the bytes both ways
+            grad = p.grad.to("cpu", torch.float32)
+            self.moved_bytes += p.grad.nbytes
+            w.mul_(1 - self.lr * self.weight_decay)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)
+            w.addcdiv_(m, denominator, value=-self.lr / correction1)
+            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4
+            self.moved_bytes += p.nbytes
+            # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- accumulation
+
+def accumulate(model: nn.Module, micro_batches, loss_fn, group=None) -> torch.Tensor:
+    """Forward and backward of every micro-batch in ``micro_batches`` (a list of (x, y)), one at
+    a time, each loss ``loss_fn(model, x, y)`` scaled by 1/m; then, when ``group`` has more than
+    one rank, one all-reduce per parameter gradient (SUM, then / N: gloo has no AVG). The
+    gradients left are those of the mean loss over every rank's m micro-batches. Returns the
+    mean loss of this rank's micro-batches (detached)."""
+    m = len(micro_batches)
+    if m < 1:
+        raise ValueError("recompute: accumulate needs at least one micro-batch")
+    n = dist.get_world_size(group) if dist.is_initialized() else 1
+    total = torch.zeros(())
+    # BEGIN SOLUTION recompute.accumulate: backward of loss / m per micro-batch (nothing communicated); after the last, all_reduce each parameter's grad and divide by N
+    for x, y in micro_batches:
+        loss = loss_fn(model, x, y) / m
+        loss.backward()
+        total = total + loss.detach()
+    if n > 1:
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(n)
+    # END SOLUTION
+    return total

@@ -1,0 +1,86 @@
+"""Wrong implementations of chapter 12 that the grader must fail (see labkit.course.mutants)."""
+
+from labkit.course.mutants import Mutant
+
+MUTANTS = [
+    # recompute.checkpoint
+    Mutant("recompute.checkpoint", "rng_not_restored", "recomputes with the RNG as it is now: dropout draws a new mask",
+           find="            torch.set_rng_state(ctx.cpu_rng)\n", replace=""),
+    Mutant("recompute.checkpoint", "every_kth_off_by_one", "wraps blocks k-1, 2k-1, ... instead of 0, k, 2k, ...",
+           find="if i % k == 0]", replace="if (i + 1) % k == 0]"),
+    Mutant("recompute.checkpoint", "every_block", "wraps every block whatever k says",
+           find="if i % k == 0]", replace="]"),
+    Mutant("recompute.checkpoint", "keeps_activations", "runs the block with grad enabled: every activation is kept after all",
+           find="        if not torch.is_grad_enabled():  # nothing would be saved anyway\n",
+           replace="        if True:\n"),
+    Mutant("recompute.checkpoint", "torch_checkpoint", "PyTorch's own torch.utils.checkpoint in place of the exercise",
+           find="        return Checkpoint.apply(self.block, x)\n",
+           replace="        import torch.utils.checkpoint\n"
+                   "        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)\n"),
+    Mutant("recompute.checkpoint", "recompute_twice", "re-runs the block outside the restored RNG (a second forward draws masks)",
+           find="        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n",
+           replace="        with torch.enable_grad():\n            outputs = ctx.fn(*inputs)\n"
+                   "        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n"),
+    # recompute.selective
+    Mutant("recompute.selective", "keeps_softmax", "keeps the softmax output and recomputes only dropout and the last matmul",
+           find="    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q, k, v)\n",
+           replace="    mask = torch.full((q.shape[-2],) * 2, float('-inf'), dtype=q.dtype).triu(1)\n"
+                   "    probs = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]) + mask).softmax(-1)\n"
+                   "    return Checkpoint.apply(lambda pr, v_: F.dropout(pr, p) @ v_, probs, v)\n"),
+    Mutant("recompute.selective", "detached_inputs", "detaches q, k, v before the checkpoint: no gradient reaches c_attn",
+           find="    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q, k, v)\n",
+           replace="    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q.detach(), k.detach(), v)\n"),
+    Mutant("recompute.selective", "torch_checkpoint", "PyTorch's own torch.utils.checkpoint in place of the exercise",
+           find="    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q, k, v)\n",
+           replace="    import torch.utils.checkpoint\n"
+                   "    return torch.utils.checkpoint.checkpoint(attention_core, q, k, v, p, use_reentrant=False)\n"),
+    # recompute.offload
+    Mutant("recompute.offload", "no_prefetch", "brings each layer back only when backward reaches it (no prefetch)",
+           find="        if self.host.get(index - 1):\n            self._bring_back(index - 1, device, \"prefetch\")\n",
+           replace=""),
+    Mutant("recompute.offload", "never_brought_back", "hands backward the host copy: the device never gets the layer back",
+           find="        if index not in self.fetched:\n            self._bring_back(index, device, \"fetch\")\n"
+                "        if self.host.get(index - 1):\n            self._bring_back(index - 1, device, \"prefetch\")\n"
+                "        return self.fetched[index][position]\n",
+           replace="        return self.host[index][position]\n"),
+    Mutant("recompute.offload", "prefetch_everything", "brings every layer back at the first unpack: the device holds them all",
+           find="        if self.host.get(index - 1):\n            self._bring_back(index - 1, device, \"prefetch\")\n",
+           replace="        for earlier in sorted((i for i in self.host if i < index and self.host[i]), reverse=True):\n"
+                   "            self._bring_back(earlier, device, \"prefetch\")\n"),
+    Mutant("recompute.offload", "nothing_offloaded", "keeps the tensor on the device and only writes down its bytes",
+           find="        self.host[index].append(self._to_host(t))\n",
+           replace="        self.host[index].append(t)\n        return (\"kept\", t)\n"),
+    # recompute.accumulate
+    Mutant("recompute.accumulate", "loss_not_scaled", "backward of each micro-batch's loss unscaled: gradients m times too large",
+           find="        loss = loss_fn(model, x, y) / m\n", replace="        loss = loss_fn(model, x, y)\n"),
+    Mutant("recompute.accumulate", "all_reduce_every_micro_batch", "all-reduces the gradients after every micro-batch",
+           find="        total = total + loss.detach()\n    if n > 1:\n",
+           replace="        total = total + loss.detach()\n        if n > 1:\n"
+                   "            for p in model.parameters():\n"
+                   "                if p.grad is not None:\n"
+                   "                    dist.all_reduce(p.grad, group=group)\n"
+                   "                    p.grad.div_(n)\n    if False:\n"),
+    Mutant("recompute.accumulate", "no_divide_by_n", "sums the ranks' gradients without dividing by N",
+           find="                p.grad.div_(n)\n", replace=""),
+    # recompute.optimizer_offload
+    Mutant("recompute.optimizer_offload", "no_fp32_master", "updates the bf16 parameter itself: small updates round away",
+           find="            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+                "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-self.lr / correction1)\n"
+                   "            p.mul_(1 - self.lr * self.weight_decay)\n            w.copy_(p)\n"),
+    Mutant("recompute.optimizer_offload", "not_copied_back", "updates the host master but never sends it back to the device",
+           find="            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace=""),
+    Mutant("recompute.optimizer_offload", "no_bias_correction", "leaves out Adam's bias correction",
+           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
+                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n",
+           replace="            denominator = v.sqrt().add_(self.eps)\n"
+                   "            w.addcdiv_(m, denominator, value=-self.lr)\n"),
+    Mutant("recompute.optimizer_offload", "moments_like_params", "keeps the moments like the parameters: bf16 on the device",
+           find="        self.exp_avg = [torch.zeros_like(w) for w in self.master]\n"
+                "        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]\n",
+           replace="        self.exp_avg = [torch.zeros_like(p) for p in self.params]\n"
+                   "        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]\n"),
+    Mutant("recompute.optimizer_offload", "fp32_up_the_link", "sends the fp32 master up and casts on the device: 4 bytes instead of 2",
+           find="            self.moved_bytes += p.nbytes\n", replace="            self.moved_bytes += w.nbytes\n"),
+]
