@@ -105,7 +105,7 @@ def explicit_activation_bytes(layers: int, seq: int, micro: int, hidden: int, he
 
 def korthikanti_layer_bytes(seq: int, hidden: int, heads: int, micro: int = 1, tp: int = 1, cp: int = 1,
                             flash: bool = False) -> float:
-    """Bytes one rank keeps for one layer in 16-bit training (Korthikanti et al. 2022, eq. for
+    """Bytes one rank keeps for one layer in 16-bit training (Korthikanti et al. 2022, section 4,
     tensor + sequence parallelism): (s/cp) b h (34 + 5 a s / h) / tp. With context parallelism a
     rank keeps s/cp queries, whose scores run against all s keys; ``flash`` (fused attention)
     keeps no scores and drops the 5as/h term."""
