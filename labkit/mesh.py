@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from labkit import budget
 from labkit.models import GPT, GPTConfig
 
 AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
@@ -321,24 +322,16 @@ def memory_per_gpu(shape: ModelShape, layout: Layout, stage: int = 0, bytes_per_
     parallelism divided by tp; with cp each rank keeps s/cp of the tokens (scores against all
     s keys); times the micro-batches a pipeline stage keeps in flight. With full recomputation
     a layer keeps only its input, 2 s b h / tp, plus one layer's worth while it recomputes."""
-    counts = parameters_on_rank(shape, replace_zero(layout, 0), stage)
-    elements = counts["params"]
-    dp = layout.dp * layout.cp
-    params = elements * bytes_per_element / (dp if layout.zero >= 3 else 1)
-    grads = elements * bytes_per_element / (dp if layout.zero >= 2 else 1)
-    master = 0 if bytes_per_element == master_bytes else elements * master_bytes
-    optimizer = (2 * elements * master_bytes + master) / (dp if layout.zero >= 1 else 1)
-    s, b, h, a = shape.seq, layout.microbatch, shape.hidden, shape.heads
-    local = s / layout.cp
-    per_layer = local * b * h * (34 + 5 * a * s / h) / layout.tp
-    layers = layers_on_stage(shape, layout, stage)
+    # the byte formulas are labkit.budget's (shared with chapters 08 and 12)
+    elements = parameters_on_rank(shape, replace_zero(layout, 0), stage)["params"]
+    states = budget.model_state_bytes(elements, budget.adamw_bytes(bytes_per_element, master_bytes),
+                                      layout.zero, shards=layout.dp * layout.cp)
     in_flight = min(layout.pp - stage, layout.microbatches) if layout.pp > 1 else 1
-    if layout.recompute:
-        activations = in_flight * layers * 2 * local * b * h / layout.tp + per_layer
-    else:
-        activations = in_flight * layers * per_layer
-    return dict(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                total=params + grads + optimizer + activations)
+    activations = budget.korthikanti_activation_bytes(
+        layers_on_stage(shape, layout, stage), shape.seq, shape.hidden, shape.heads, micro=layout.microbatch,
+        tp=layout.tp, cp=layout.cp, held=in_flight, full=layout.recompute)
+    return dict(**states, activations=activations,
+                total=states["params"] + states["grads"] + states["optimizer"] + activations)
 
 
 def replace_zero(layout: Layout, zero: int) -> Layout:
