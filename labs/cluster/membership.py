@@ -7,8 +7,8 @@ Two agents (``--nnodes 1:2``, c10d rendezvous on 127.0.0.1) act as two nodes and
 the agent that does not host the rendezvous is killed with its worker (a node losing power;
 with the c10d backend the job cannot outlive its rendezvous host, which etcd avoids); the survivor's worker fails in
 its next collective, its agent re-forms the group alone and resumes at world size 1 from the
-newest checkpoint, resharded. Once it has saved a step on its own, a new agent starts: the
-survivor's agent sees a node waiting, stops its worker, and the group grows back to two
+newest checkpoint, resharded. Once it has saved a step on its own, a new agent joins (started
+earlier, so its imports are done): the survivor's agent sees a node waiting, stops its worker, and the group grows back to two
 ranks, resharding again. The script at the end compares every step's loss with one process
 (``labkit.check``'s float64 tolerance). ``tests/test_membership.py`` runs this; so does lab 09.
 """
@@ -26,7 +26,19 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, PAUSE = 14, 0.4   # a step lasts at least PAUSE seconds: time to kill and to join
+STEPS, PAUSE = 16, 0.4   # a step lasts at least PAUSE seconds: time to kill and to join
+
+# The joining node's agent, started early: it imports torchrun (seconds on a loaded machine)
+# and then waits for the go file before it joins. Without this, the survivor could finish
+# every step alone while the new agent was still importing, and the job would never regrow.
+WARM_AGENT = """import pathlib, sys, time
+from torch.distributed.run import main
+go = pathlib.Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.05)
+sys.argv = ["torchrun"] + sys.argv[2:]
+main()
+"""
 
 
 def free_port() -> int:
@@ -98,8 +110,9 @@ def run(workdir: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
 
-    def agent(name: str) -> subprocess.Popen:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=open(logs / f"{name}.log", "w"),
+    def agent(name: str, go: Path | None = None) -> subprocess.Popen:
+        argv = command if go is None else [sys.executable, "-c", WARM_AGENT, str(go)] + command[1:]
+        return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(logs / f"{name}.log", "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     story, error = [], None
@@ -115,10 +128,12 @@ def run(workdir: Path) -> dict:
         agents[1].wait()
         left = max(m["step"] for m in checkpoints(ckpt))
         story.append("two ranks trained and saved; one node was killed (agent and worker)")
+        go = workdir / "join"
+        agents.append(agent("c", go))   # imports now, joins on the go file
         wait_for("the survivor alone to save a checkpoint",
                  lambda: any(m["world_size"] == 1 and m["step"] > left for m in checkpoints(ckpt)), agents[:1])
         story.append("the survivor re-formed the group alone and saved checkpoints at world size 1")
-        agents.append(agent("c"))
+        go.touch()
         wait_for("a checkpoint from two ranks again",
                  lambda: any(m["world_size"] == 2 and m["step"] > left + 1 for m in checkpoints(ckpt)),
                  [agents[0], agents[2]])
