@@ -122,6 +122,8 @@ def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tens
 
 
 def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    # DDP.register_comm_hook refuses a hook of this name unless the backend is NCCL (or XCCL),
+    # though gloo sums bf16 fine: on gloo, register a wrapper with another name.
     return compress_hook(torch.bfloat16, process_group, bucket)
 
 
