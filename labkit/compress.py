@@ -53,7 +53,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
 # ----------------------------------------------------------------------------- buckets
 
 

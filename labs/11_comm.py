@@ -72,7 +72,9 @@ def bf16_on_gloo(state, bucket) -> torch.futures.Future[torch.Tensor]:
 
 def check_hooks() -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        powerSGD_hook as torch_powersgd,
+    )
 
     from labkit.compress import PowerSGDState, fp16_compress_hook, powersgd_hook
     exact32, exact64 = train(torch.float32), train(torch.float64)
@@ -89,7 +91,14 @@ def check_hooks() -> dict:
 
 
 def check_bytes() -> dict:
-    from labkit.compress import FlatBucket, PowerSGDState, bf16_compress_hook, fp16_compress_hook, powersgd_elements, powersgd_hook
+    from labkit.compress import (
+        FlatBucket,
+        PowerSGDState,
+        bf16_compress_hook,
+        fp16_compress_hook,
+        powersgd_elements,
+        powersgd_hook,
+    )
     model = mlp(torch.float32)
     x, y = batch(dist.get_rank(), 0, torch.float32)
     nn.functional.mse_loss(model(x), y).backward()

@@ -34,7 +34,6 @@ whose ring bytes per link class equal ``hierarchical_bytes``. A layout that is n
 raises ValueError with nothing traced. As a DDP hook (2 x N/2), 3 SGD steps equal plain DDP.
 """
 
-import copy
 
 import pytest
 import torch
@@ -80,7 +79,9 @@ def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, lr: float 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
 def fp16_on_rank() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook as torch_fp16
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+        fp16_compress_hook as torch_fp16,
+    )
 
     from labkit.compress import FlatBucket, bf16_compress_hook, fp16_compress_hook
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -159,7 +160,12 @@ def powersgd_vs_torch() -> None:
 
 
 def powersgd_by_hand() -> None:
-    from labkit.compress import FlatBucket, PowerSGDState, powersgd_elements, powersgd_hook
+    from labkit.compress import (
+        FlatBucket,
+        PowerSGDState,
+        powersgd_elements,
+        powersgd_hook,
+    )
     rank, n = dist.get_rank(), dist.get_world_size()
     shapes = [(32, 16), (32,), (24, 32), (24,), (4, 4), (8, 24), (8,)]
     gen = torch.Generator().manual_seed(5)
@@ -211,9 +217,8 @@ def hierarchical_on_rank() -> None:
     from labkit.compress import NodeGroups, hierarchical_all_reduce, hierarchical_bytes
     rank, world = dist.get_rank(), dist.get_world_size()
     for nodes, per_node in [(2, world), (world, 2), (0, world), (world + 1, 1)]:
-        with CommTracer() as tracer:
-            with pytest.raises(ValueError):
-                NodeGroups(nodes, per_node)
+        with CommTracer() as tracer, pytest.raises(ValueError):
+            NodeGroups(nodes, per_node)
         assert not tracer.events, f"compress.hierarchical: {nodes} x {per_node} on {world} ranks: refuse before communicating"
     layouts = [(m, world // m) for m in range(1, world + 1) if world % m == 0]
     for nodes, per_node in layouts:
