@@ -21,8 +21,9 @@ the trace of a warm-up step is one all-reduce of the whole buffer; of a compress
 all-reduce of the uncompressed elements, one of sum n r (P) and one of sum m r (Q), 8 bytes
 each (``powersgd_elements``, torch's rule); error feedback's identity holds at every step:
 the sum of the applied averages equals the sum of the true averages minus the mean of the
-ranks' current errors (1e-9 relative); and the error stays bounded: ||e_t|| <= 20 ||G|| at every step and its
-largest value in steps 26-50 at most 1.25 x that of steps 1-25 (measured over 300 steps on one
+ranks' current errors (1e-9 relative), also at world 4 with the state's process_group a pair of
+ranks (the all-reduces over the pair, the averages the pair's); and the error stays bounded:
+||e_t|| <= 20 ||G|| at every step and its largest value in steps 26-50 at most 1.25 x that of steps 1-25 (measured over 300 steps on one
 rank: it levels off near 12 ||G|| for r = 1 and 6 ||G|| for r = 2; G is full rank, the worst case).
 
 compress.hierarchical: for every layout nodes x L of the world (4: 1x4, 2x2, 4x1; 6: 1x6,
@@ -117,6 +118,16 @@ def fp16_on_rank() -> None:
     assert worst <= 1, (f"compress.bf16: rank {rank}: the average is off the one-process reference "
                         f"sum_r bf16(g_r)/N by {worst:.3g} x its rounding bound")
 
+    if n == 4:  # a subgroup: the hook averages over process_group, not the world
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        members = [rank // 2 * 2, rank // 2 * 2 + 1]
+        bucket = FlatBucket([torch.full((3,), float(rank))])
+        with CommTracer() as tracer:
+            fp16_compress_hook(pairs[rank // 2], bucket).wait()
+        assert torch.equal(bucket.buffer(), torch.full((3,), sum(members) / 2)), \
+            f"compress.fp16: rank {rank}: over the group {members} the average is {sum(members) / 2}, got {bucket.buffer().tolist()}"
+        assert_ops(tracer, [Op("all_reduce", 3 * 2, members)], f"compress.fp16: rank {rank}: one fp16 all-reduce over {members}")
+
 
 # ----------------------------------------------------------------------------- PowerSGD
 
@@ -172,8 +183,13 @@ def powersgd_by_hand() -> None:
     base = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
     base_norm = torch.cat([b.reshape(-1) for b in base]).norm()
     split = 4  # two buckets: the first four tensors, then the rest (the last bucket of a step)
-    for r in (1, 2):
-        state = PowerSGDState(None, matrix_approximation_rank=r, start_powerSGD_iter=2)
+    cases = [(1, None, None), (2, None, None)]
+    if n == 4:  # and within a subgroup: the state's process_group, ranks in pairs
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        cases.append((2, pairs[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1]))
+    for r, group, members in cases:
+        size = dist.get_world_size(group)
+        state = PowerSGDState(group, matrix_approximation_rank=r, start_powerSGD_iter=2)
         applied, true, norms = 0, 0, []
         counts = [powersgd_elements(shapes[:split], r), powersgd_elements(shapes[split:], r)]
         for step in range(50):
@@ -181,33 +197,33 @@ def powersgd_by_hand() -> None:
             grads = [b + 0.3 * torch.randn(b.shape, generator=noise, dtype=torch.float64) for b in base]
             buckets = [FlatBucket(grads[:split], index=0, last=False), FlatBucket(grads[split:], index=1, last=True)]
             sent = torch.cat([b.buffer() for b in buckets])
-            what = f"compress.powersgd: rank {rank}, r={r}, step {step + 1}"
+            what = f"compress.powersgd: rank {rank}, r={r}, group {members or 'world'}, step {step + 1}"
             out = []
             for bucket, count in zip(buckets, counts):
                 numel = bucket.buffer().numel()
                 with CommTracer() as tracer:
                     out.append(powersgd_hook(state, bucket).wait())
                 if step < 2:
-                    want = [Op("all_reduce", numel * 8)]
+                    want = [Op("all_reduce", numel * 8, members)]
                 else:
-                    want = [Op("all_reduce", count[key] * 8) for key in ("uncompressed", "p", "q")]
+                    want = [Op("all_reduce", count[key] * 8, members) for key in ("uncompressed", "p", "q")]
                 assert_ops(tracer, want, f"{what}, bucket {bucket.index()} (warm-up: the whole bucket; "
                                          "then the uncompressed elements, P = sum n r, Q = sum m r)")
             out = torch.cat(out)
             true_mean = sent.clone()
-            dist.all_reduce(true_mean)
-            true = true + true_mean / n
+            dist.all_reduce(true_mean, group=group)
+            true = true + true_mean / size
             applied = applied + out
             own = torch.cat([state.error_dict.get(i, torch.zeros(b.buffer().numel(), dtype=torch.float64))
                              for i, b in enumerate(buckets)])
             error = own.clone()
-            dist.all_reduce(error)
-            assert_close(applied, true - error / n, what + ": error feedback: sum of the applied averages = "
+            dist.all_reduce(error, group=group)
+            assert_close(applied, true - error / size, what + ": error feedback: sum of the applied averages = "
                          "sum of the true averages - mean error", rtol=1e-9, atol=1e-9 * true.abs().max().item())
             norms.append((own.norm() / base_norm).item())
             assert norms[-1] <= 20, f"{what}: the error grew to {norms[-1]:.3g} x ||G|| (bound 20)"
         early, late = max(norms[:25]), max(norms[25:])
-        assert late <= 1.25 * early, (f"compress.powersgd: rank {rank}, r={r}: the error keeps growing: at most "
+        assert late <= 1.25 * early, (f"compress.powersgd: rank {rank}, r={r}, group {members or 'world'}: the error keeps growing: at most "
                                       f"{early:.3g} x ||G|| in steps 1-25, {late:.3g} x ||G|| in steps 26-50")
 
 

@@ -14,6 +14,9 @@ MUTANTS = [
            replace="        buffer.copy_(done.value()[0]).div_(_group_size(process_group))\n"),
     Mutant("compress.fp16", "no_cast", "all-reduces the full-precision buffer: correct average, no bytes saved",
            find="compressed = buffer.to(dtype).div_(", replace="compressed = buffer.clone().div_("),
+    Mutant("compress.fp16", "ignores_the_group", "all-reduces over the world whatever process_group it is given",
+           find="dist.all_reduce(compressed, group=process_group, async_op=True)",
+           replace="dist.all_reduce(compressed, async_op=True)"),
     Mutant("compress.fp16", "torchs_hook", "calls torch's own hook (forbidden: it is the oracle)",
            find="    buffer = bucket.buffer()\n    compressed = buffer.to(dtype)",
            replace="    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
@@ -36,6 +39,9 @@ MUTANTS = [
     Mutant("compress.powersgd", "compress_vectors", "compresses every tensor, biases and tiny matrices too",
            find="        if should_compress(*matrix.shape, rank, state.min_compression_rate):\n",
            replace="        if True:\n"),
+    Mutant("compress.powersgd", "p_over_world", "all-reduces P over the world instead of the state's process group",
+           find="dist.all_reduce(state.p_memory_dict[index], group=group)",
+           replace="dist.all_reduce(state.p_memory_dict[index])"),
     Mutant("compress.powersgd", "gram_schmidt_no_projection", "normalises the columns but does not remove the earlier ones",
            find="        rest -= column * (column * rest).sum(dim=0, keepdim=True)\n", replace=""),
     # compress.hierarchical
