@@ -52,6 +52,8 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
              "torch.distributed.device_mesh", "torch.nn.parallel"),
             "chapter 10 builds the all-to-all dispatch with its autograd (dist.all_to_all_single is the building block) "
             "and EP x DP on your chapter-08 rank grid"),
+    "compress": (("torch.distributed.algorithms",),
+                 "chapter 11 builds the compression hooks (torch's ddp_comm_hooks are the oracles)"),
     "recompute": (("torch.utils.checkpoint", "torch.autograd.graph.save_on_cpu", "torch.distributed.fsdp",
                    "torch.distributed.algorithms", "torch.nn.parallel"),
                   "chapter 12 builds recomputation, offloading and accumulation (torch.utils.checkpoint, "

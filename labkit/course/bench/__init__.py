@@ -16,6 +16,7 @@ from labkit.course.bench import (  # noqa: F401 - importing a chapter registers 
     ch07_sp,
     ch08_mesh,
     ch10_moe,
+    ch11_compress,
     ch12_recompute,
 )
 from labkit.course.bench.runner import (

@@ -1,0 +1,375 @@
+"""Chapter 11 exercises: communication efficiency. Send less (compression), route by topology.
+
+Every chapter so far averaged gradients with one flat all-reduce of full-precision values.
+Two levers cut its cost:
+
+* Send fewer bytes. DDP lets you replace the all-reduce of each gradient bucket by a
+  *communication hook*, ``hook(state, bucket) -> torch.futures.Future[Tensor]``: the hook gets
+  the bucket's flat gradient (``bucket.buffer()``, the per-parameter views in
+  ``bucket.gradients()``), must leave the average of every rank's bucket in it, and returns a
+  future whose value is that buffer. ``ddp.register_comm_hook(state, hook)`` installs one on
+  ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` (below) lets you call a hook
+  by hand on a list of tensors.
+
+  - fp16/bf16: cast the bucket to 16 bits, divide by N *before* summing (an fp16 sum of N
+    large gradients overflows at 65504), all-reduce, cast back. Half the bytes; each value
+    carries a relative error of about 2^-11 (fp16) or 2^-8 (bf16).
+  - PowerSGD (Vogels, Karimireddy and Jaggi, 2019, arXiv:1905.13727): view each gradient
+    as an n x m matrix M and send a rank-r approximation, r(n + m) numbers instead of nm,
+    found by one step of power iteration per training step:
+        P = M Q;  all-reduce P;  orthogonalise P;  Q = M^T P;  all-reduce Q, / N;  M ~ P Q^T
+    All-reducing P and Q (not M) is what makes the method linear across ranks: the summed
+    P is the P of the summed M (for the shared Q). Three details make it work in practice:
+      * warm start: this step's Q starts from last step's (orthogonalised), so the power
+        iteration continues across steps instead of starting from noise each time;
+      * error feedback: what the approximation left out of this rank's gradient, M - P Q^T,
+        is added to the next step's gradient, so no part of the gradient is lost, only
+        delayed; the sum of the applied gradients differs from the sum of the true ones by
+        the last error alone;
+      * tensors not worth compressing (biases and other 1-D tensors, any matrix where
+        r(n + m) x min_compression_rate >= nm) go through one plain all-reduce.
+    ``PowerSGDState`` (given) holds the same state as torch's ``PowerSGDState`` (per bucket:
+    the error, P and Q), so the two hooks can be compared step by step.
+
+* Route by topology. Inside a node GPUs talk over NVLink (hundreds of GB/s); across nodes
+  over InfiniBand or Ethernet (tens of GB/s per GPU). A flat ring crosses the slow links with
+  the whole buffer. Hierarchical all-reduce on ``nodes x ranks_per_node`` ranks:
+  reduce-scatter inside the node (each rank holds the node's sum of 1/L of the buffer),
+  all-reduce of that shard across nodes (one rank per node and shard: 1/L of the bytes on the
+  slow link), all-gather inside the node.
+
+Tasks (run ``labkit grade compress``; tests in ``tests/grading/test_compress.py``):
+    compress.fp16          compress_hook (fp16_compress_hook and bf16_compress_hook call it)
+    compress.powersgd      should_compress, orthogonalize, powersgd_hook
+    compress.hierarchical  hierarchical_all_reduce
+``NodeGroups`` (given) checks ``nodes x ranks_per_node`` against the world (ValueError before
+any communication) and makes the groups; ``hierarchical_hook`` runs your all-reduce as a hook.
+
+The chapter-02 ``labkit.ddp.DDP`` has no hook point (it all-reduces its buckets itself), so the
+hooks here run on torch's ``DistributedDataParallel`` or by hand on a ``FlatBucket``.
+"""
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# ----------------------------------------------------------------------------- buckets
+
+
+class FlatBucket:
+    """What a hook sees of a ``dist.GradBucket``: one flat buffer holding ``tensors``, views of
+    it shaped like each (``gradients()``), its index and whether it is the step's last."""
+
+    def __init__(self, tensors: list[torch.Tensor], index: int = 0, last: bool = True):
+        self._buffer = torch.cat([t.reshape(-1) for t in tensors])
+        self._views, offset = [], 0
+        for t in tensors:
+            self._views.append(self._buffer[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self._index, self._last = index, last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future that already holds ``value``: what a hook that finished its work returns."""
+    future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+# ----------------------------------------------------------------------------- fp16 / bf16
+
+
+def compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket.buffer()`` over ``process_group`` (None: the world) in ``dtype``.
+
+    Cast the buffer to ``dtype`` and divide it by the group size (in that order: the division
+    must happen before the sum, or N large fp16 values overflow), start an asynchronous
+    all-reduce of the copy, and return its future chained (``.then``) with a function that
+    copies the result back into the buffer (casting back) and returns the buffer.
+    """
+    # BEGIN SOLUTION compress.fp16: cast to dtype and divide by N, async all-reduce, .then(copy back into the buffer, return it)
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(_group_size(process_group))
+    future = dist.all_reduce(compressed, group=process_group, async_op=True).get_future()
+
+    def decompress(done):
+        buffer.copy_(done.value()[0])
+        return buffer
+
+    return future.then(decompress)
+    # END SOLUTION
+
+
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    return compress_hook(torch.float16, process_group, bucket)
+
+
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    # DDP.register_comm_hook refuses a hook of this name unless the backend is NCCL (or XCCL),
+    # though gloo sums bf16 fine: on gloo, register a wrapper with another name.
+    return compress_hook(torch.bfloat16, process_group, bucket)
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+
+class PowerSGDState:
+    """PowerSGD's settings and state, as in torch's ``PowerSGDState`` (same names, same
+    meaning, same random stream for the first Q), so both hooks can run the same steps.
+
+    The first ``start_powerSGD_iter`` steps are plain all-reduces (warm-up; with error
+    feedback or warm start it must be > 1, as in torch: DDP rebuilds its buckets after the
+    first step). ``iter`` counts steps (it advances on a step's last bucket). Per bucket index:
+    ``error_dict`` (this rank's error, flat like the buffer), ``p_memory_dict`` and
+    ``q_memory_dict`` (the P and Q of every compressed matrix, flat and concatenated).
+    """
+
+    def __init__(self, process_group=None, matrix_approximation_rank: int = 1, start_powerSGD_iter: int = 1_000,
+                 min_compression_rate: float = 2, use_error_feedback: bool = True, warm_start: bool = True,
+                 orthogonalization_epsilon: float = 0, random_seed: int = 0):
+        if matrix_approximation_rank < 1:
+            raise ValueError(f"PowerSGD: matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
+        if (use_error_feedback or warm_start) and start_powerSGD_iter <= 1:
+            raise ValueError("PowerSGD: start_powerSGD_iter must be > 1 with error feedback or warm start "
+                             "(DDP rebuilds its buckets after the first step)")
+        self.process_group = process_group
+        self.matrix_approximation_rank = matrix_approximation_rank
+        self.start_powerSGD_iter = start_powerSGD_iter
+        self.min_compression_rate = min_compression_rate
+        self.use_error_feedback = use_error_feedback
+        self.warm_start = warm_start
+        self.orthogonalization_epsilon = orthogonalization_epsilon
+        self.rng = np.random.RandomState(random_seed)  # torch's choice: one seed per fresh bucket
+        self.error_dict: dict[int, torch.Tensor] = {}
+        self.p_memory_dict: dict[int, torch.Tensor] = {}
+        self.q_memory_dict: dict[int, torch.Tensor] = {}
+        self.iter = 0
+
+    def maybe_increase_iter(self, bucket) -> None:
+        if bucket.is_last():
+            self.iter += 1
+
+    def random_qs(self, qs: list[torch.Tensor]) -> None:
+        """Fill ``qs`` with standard normal numbers, drawn as torch's hook draws them (one seed
+        from ``rng`` per call, then the Qs in order), without touching the global RNG."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.rng.randint(1_000_000_000))
+            for q in qs:
+                q.copy_(torch.randn(*q.shape, dtype=q.dtype))
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Worth compressing when rank (rows + cols) x min_compression_rate < rows x cols."""
+    # BEGIN SOLUTION compress.powersgd: compressed size r(n + m), times the minimum rate, below the uncompressed n m
+    return (rows + cols) * rank * min_compression_rate < rows * cols
+    # END SOLUTION
+
+
+def orthogonalize(matrix: torch.Tensor, epsilon: float = 0) -> None:
+    """Gram-Schmidt, in place, on the columns of ``matrix`` [n, r] (r <= n): each column
+    divided by its norm (+ epsilon), then its component removed from every later column.
+    (Torch's hook uses QR for r > 2; QR's columns may differ in sign, P Q^T does not.)"""
+    # BEGIN SOLUTION compress.powersgd: for each column: normalise it (norm + epsilon), subtract its projection from the later columns
+    for i in range(matrix.shape[1]):
+        column = matrix[:, i:i + 1]
+        column /= torch.linalg.vector_norm(column) + epsilon
+        rest = matrix[:, i + 1:]
+        rest -= column * (column * rest).sum(dim=0, keepdim=True)
+    # END SOLUTION
+
+
+def powersgd_hook(state: "PowerSGDState", bucket) -> torch.futures.Future[torch.Tensor]:
+    """PowerSGD with error feedback and warm start: leave the average of the ranks'
+    (compressed) gradients in ``bucket.buffer()`` and return a completed future of it.
+
+    Steps before ``state.start_powerSGD_iter`` are a plain average (given). Then, for bucket
+    ``i = bucket.index()``:
+
+    1. error feedback: add ``state.error_dict[i]`` (if any) to the buffer; keep a copy of the
+       result (the gradient this step tries to send);
+    2. split ``bucket.gradients()``: each viewed as ``[shape[0], -1]`` (n x m) with rank
+       ``r = min(n, m, state.matrix_approximation_rank)`` is compressed if ``should_compress``,
+       else it joins one flat tensor of the uncompressed ones: all-reduce it, divide by N and
+       copy it back (issue this all-reduce even when it is empty, as torch does);
+    3. P and Q live in two flat tensors (sum of n r, sum of m r), views [n, r] and [m, r] per
+       matrix. If there is no Q for this bucket yet, or not ``warm_start``: allocate them and
+       fill the Qs with ``state.random_qs``. Orthogonalise every Q;
+    4. P = M Q for each; all-reduce the flat P; orthogonalise each P; Q = M^T P; all-reduce
+       the flat Q and divide it by N; M = P Q^T, written into the gradient's view;
+    5. error feedback: ``state.error_dict[i]`` = the copy of step 1 minus the buffer now;
+       without warm start, forget P and Q; ``state.maybe_increase_iter(bucket)``.
+    """
+    group = state.process_group
+    world = _group_size(group)
+    buffer = bucket.buffer()
+    if state.iter < state.start_powerSGD_iter:
+        state.maybe_increase_iter(bucket)
+        buffer.div_(world)
+        dist.all_reduce(buffer, group=group)
+        return completed(buffer)
+    # BEGIN SOLUTION compress.powersgd: error feedback in, split (compress or not), plain all-reduce, P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce / N, M = PQ^T, error out
+    index = bucket.index()
+    if state.use_error_feedback:
+        if index in state.error_dict:
+            buffer.add_(state.error_dict[index])
+        intended = buffer.clone()
+    matrices, ranks, plain = [], [], []
+    for grad in bucket.gradients():
+        matrix = grad.view(grad.shape[0], -1)
+        rank = min(*matrix.shape, state.matrix_approximation_rank)
+        if should_compress(*matrix.shape, rank, state.min_compression_rate):
+            matrices.append(matrix)
+            ranks.append(rank)
+        else:
+            plain.append(grad)
+
+    # biases, norms and small matrices: one plain all-reduce
+    flat = torch.cat([g.reshape(-1) for g in plain]) if plain else buffer.new_empty(0)
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    offset = 0
+    for grad in plain:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+    fresh = not state.warm_start or index not in state.q_memory_dict
+    if fresh:
+        state.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)))
+        state.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)))
+    ps, qs, p_at, q_at = [], [], 0, 0
+    for matrix, rank in zip(matrices, ranks):
+        (n, m) = matrix.shape
+        ps.append(state.p_memory_dict[index][p_at:p_at + n * rank].view(n, rank))
+        qs.append(state.q_memory_dict[index][q_at:q_at + m * rank].view(m, rank))
+        p_at, q_at = p_at + n * rank, q_at + m * rank
+    if fresh:
+        state.random_qs(qs)
+    for q in qs:
+        orthogonalize(q, state.orthogonalization_epsilon)
+
+    for matrix, p, q in zip(matrices, ps, qs):
+        torch.matmul(matrix, q, out=p)
+    dist.all_reduce(state.p_memory_dict[index], group=group)
+    for matrix, p, q in zip(matrices, ps, qs):
+        orthogonalize(p, state.orthogonalization_epsilon)
+        torch.matmul(matrix.t(), p, out=q)
+    dist.all_reduce(state.q_memory_dict[index], group=group)
+    state.q_memory_dict[index] /= world
+    for matrix, p, q in zip(matrices, ps, qs):
+        torch.matmul(p, q.t(), out=matrix)
+
+    if state.use_error_feedback:
+        state.error_dict[index] = intended - buffer
+    if not state.warm_start:
+        state.p_memory_dict.clear()
+        state.q_memory_dict.clear()
+    state.maybe_increase_iter(bucket)
+    return completed(buffer)
+    # END SOLUTION
+
+
+def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float = 2) -> dict[str, int]:
+    """What one compressed step of a bucket of tensors of ``shapes`` all-reduces, in elements:
+    ``{"uncompressed": ..., "p": sum n r, "q": sum m r}`` (torch's rule for which stay whole)."""
+    counts = {"uncompressed": 0, "p": 0, "q": 0}
+    for shape in shapes:
+        n = shape[0]
+        m = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            counts["p"] += n * r
+            counts["q"] += m * r
+        else:
+            counts["uncompressed"] += n * m
+    return counts
+
+
+# ----------------------------------------------------------------------------- hierarchical
+
+
+class NodeGroups:
+    """The world as ``nodes x ranks_per_node``, node-major (rank = node * L + local, as
+    ``labkit.mesh.RankGrid(world, dp=nodes, tp=ranks_per_node)`` lays it out): ``inside`` is
+    this rank's node (L consecutive ranks), ``across`` the ranks with its local index on
+    every node. Raises ValueError, before any communication, unless nodes x L is the world.
+    A collective (``dist.new_group``): every rank builds it, in the same order."""
+
+    def __init__(self, nodes: int, ranks_per_node: int):
+        world = dist.get_world_size()
+        for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"hierarchical all-reduce: {name} must be a positive integer, got {value!r}")
+        if nodes * ranks_per_node != world:
+            raise ValueError(f"hierarchical all-reduce: {nodes} nodes x {ranks_per_node} ranks per node = "
+                             f"{nodes * ranks_per_node} ranks, but the world has {world}")
+        self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        rank = dist.get_rank()
+        for node in range(nodes):
+            members = list(range(node * ranks_per_node, (node + 1) * ranks_per_node))
+            group = dist.new_group(members)
+            if rank in members:
+                self.inside, self.inside_ranks = group, members
+        for local in range(ranks_per_node):
+            members = list(range(local, world, ranks_per_node))
+            group = dist.new_group(members)
+            if rank in members:
+                self.across, self.across_ranks = group, members
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> None:
+    """Sum ``tensor`` (contiguous, any shape) over the world, in place, in three steps:
+
+    1. pad its flat view with zeros to a multiple of L = ``groups.ranks_per_node`` and
+       reduce-scatter it inside the node (``dist.reduce_scatter_single``, ``groups.inside``):
+       this rank holds the node's sum of its 1/L shard;
+    2. all-reduce that shard across nodes (``groups.across``);
+    3. all-gather the shards inside the node (``dist.all_gather_single``) and copy the
+       first numel values back into ``tensor``.
+    """
+    # BEGIN SOLUTION compress.hierarchical: pad to a multiple of L, reduce-scatter inside, all-reduce the shard across, all-gather inside, copy back
+    flat = tensor.reshape(-1)
+    shard = -(-flat.numel() // groups.ranks_per_node)
+    padded = flat.new_zeros(shard * groups.ranks_per_node)
+    padded[:flat.numel()] = flat
+    part = flat.new_empty(shard)
+    dist.reduce_scatter_single(part, padded, group=groups.inside)
+    dist.all_reduce(part, group=groups.across)
+    dist.all_gather_single(padded, part, group=groups.inside)
+    tensor.copy_(padded[:flat.numel()].view_as(tensor))
+    # END SOLUTION
+
+
+def hierarchical_hook(groups: NodeGroups, bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the bucket averaged by your hierarchical all-reduce."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    hierarchical_all_reduce(buffer, groups)
+    return completed(buffer)
+
+
+def hierarchical_bytes(numel: int, element_size: int, nodes: int, ranks_per_node: int) -> dict[str, float]:
+    """Bytes one rank sends on each link class for a hierarchical all-reduce of ``numel``
+    elements, ring algorithms at both levels (chapter 00): inside the node, a reduce-scatter and
+    an all-gather of the padded buffer S, (L-1)/L S each; across nodes, an all-reduce of the
+    shard S/L, 2 (M-1)/M S/L."""
+    shard = -(-numel // ranks_per_node) * element_size
+    padded = shard * ranks_per_node
+    inside = 2 * (ranks_per_node - 1) / ranks_per_node * padded
+    across = 2 * (nodes - 1) / nodes * shard
+    return {"inside": inside, "across": across}

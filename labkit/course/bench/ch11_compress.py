@@ -1,0 +1,94 @@
+"""``labkit bench`` rows of chapter 11 (compress): the hooks vs torch's, hierarchical vs flat all-reduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from labkit.course.bench.runner import BenchRow, race_training_steps, rank_batch, row
+from labkit.launch import launch
+from labkit.timing import interleaved_medians
+
+HIER_NUMEL = 2 ** 22  # 16 MiB of fp32
+
+
+def _hooked_gpt(config, state, hook):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.models import GPT
+    torch.manual_seed(0)
+    model = DDP(GPT(config))
+    model.register_comm_hook(state, hook)
+    return model
+
+
+def _hook_vs_torch(repeats: int, which: str) -> dict:
+    """A DDP training step of a GPT with labkit.compress's hook vs torch's (same settings)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+    from labkit import compress
+    from labkit.models import GPTConfig
+    from labkit.oracles import DDP_BENCH_GPT, ZERO_BENCH_GPT
+    if which == "fp16":
+        config = GPTConfig(**DDP_BENCH_GPT)
+        pairs = {"ours": (None, compress.fp16_compress_hook), "builtin": (None, default_hooks.fp16_compress_hook)}
+    else:  # one bucket (the GPT is under DDP's 1 MiB first bucket): torch's hook hangs on gloo with several
+        config = GPTConfig(**ZERO_BENCH_GPT)
+        settings = dict(matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
+        pairs = {"ours": (compress.PowerSGDState(None, **settings), compress.powersgd_hook),
+                 "builtin": (torch_psgd.PowerSGDState(None, **settings), torch_psgd.powerSGD_hook)}
+    models = {name: _hooked_gpt(config, *pair) for name, pair in pairs.items()}
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
+    medians, tracers = race_training_steps(models, optimizers, rank_batch(config, 8), repeats)
+    shapes = [tuple(p.shape) for p in models["ours"].module.parameters()]
+    if which == "fp16":
+        formula = 2 * sum(torch.Size(s).numel() for s in shapes)
+    else:
+        counts = compress.powersgd_elements(shapes, 4)
+        formula = 4 * (counts["uncompressed"] + counts["p"] + counts["q"])
+    ours_bytes = sum(e.bytes for e in tracers["ours"].events)
+    return dict(medians, traced=ours_bytes, formula=formula,
+                builtin_bytes=sum(e.bytes for e in tracers["builtin"].events))
+
+
+@row("compress_fp16")
+def compress_fp16_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
+    """a DDP GPT step with your fp16 hook (chapter 11) vs torch's fp16_compress_hook"""
+    r = launch(_hook_vs_torch, world_size, repeats, "fp16", timeout=600)[0]
+    return BenchRow(f"DDP GPT step, fp16 hook, {world_size} ranks vs torch's fp16_compress_hook", r["ours"], r["builtin"],
+                    r["traced"], r["formula"], extra=dict(builtin_bytes=r["builtin_bytes"]))
+
+
+@row("compress_powersgd")
+def compress_powersgd_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
+    """a DDP GPT step with your PowerSGD hook, rank 4 (chapter 11) vs torch's powerSGD_hook"""
+    r = launch(_hook_vs_torch, world_size, repeats, "powersgd", timeout=600)[0]
+    # torch's hook issues its P and Q all-reduces from future callbacks, on the backend's thread,
+    # where the tracer does not see them: its traced bytes would be the uncompressed part only.
+    return BenchRow(f"DDP GPT step, PowerSGD r=4, {world_size} ranks vs torch's powerSGD_hook", r["ours"], r["builtin"],
+                    r["traced"], r["formula"])
+
+
+def _hierarchical_vs_flat(repeats: int, nodes: int) -> dict:
+    from labkit.comm import CommTracer
+    from labkit.compress import NodeGroups, hierarchical_all_reduce
+    world = dist.get_world_size()
+    groups = NodeGroups(nodes, world // nodes)
+    x = torch.randn(HIER_NUMEL)
+    medians = interleaved_medians({"ours": lambda t: hierarchical_all_reduce(t, groups), "builtin": dist.all_reduce},
+                                  lambda: x.clone(), repeats, warmup=1)
+    with CommTracer() as tracer:
+        hierarchical_all_reduce(x.clone(), groups)
+    shard = -(-HIER_NUMEL // (world // nodes)) * 4
+    return dict(medians, traced=sum(e.bytes for e in tracer.events), formula=2 * shard * (world // nodes) + shard)
+
+
+@row("hierarchical")
+def hierarchical_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
+    """your hierarchical all-reduce, 2 nodes x N/2 (chapter 11) vs a flat dist.all_reduce"""
+    nodes = 2 if world_size % 2 == 0 else 1
+    r = launch(_hierarchical_vs_flat, world_size, repeats, nodes, timeout=600)[0]
+    return BenchRow(f"all-reduce of {HIER_NUMEL * 4 / 2**20:.0f} MiB fp32, hierarchical {nodes} x {world_size // nodes} "
+                    f"vs flat dist.all_reduce (one machine: no slow links to save)", r["ours"], r["builtin"],
+                    r["traced"], r["formula"])

@@ -1,0 +1,214 @@
+"""Lab 11 as a script: your communication hooks against torch's, and your hierarchical all-reduce, on N ranks.
+
+    torchrun --standalone --nproc-per-node 2 labs/11_comm.py
+    python labs/11_comm.py --world-size 4        # labkit.launch starts the ranks
+
+On every rank (``labkit/compress.py``), a small MLP under ``torch.nn.parallel.DistributedDataParallel``:
+
+* your fp16 hook against torch's ``fp16_compress_hook``: parameters after 5 SGD steps, bit for bit;
+* your PowerSGD hook against torch's ``powerSGD_hook`` (rank 2, 2 warm-up steps, one bucket, float64);
+* your bf16 hook and PowerSGD against plain DDP (exact all-reduce): how far compression moved the
+  parameters after 5 steps;
+* bytes per step of each hook, traced on one bucket of the model's gradients, against the formula:
+  4 B x numel uncompressed, 2 B x numel for fp16/bf16, 4 B x (uncompressed + sum r(n + m)) for PowerSGD;
+* your hierarchical all-reduce on every layout nodes x ranks-per-node of the world: equal to
+  ``dist.all_reduce``, and the ring bytes on each link class (inside a node, across nodes) against
+  ``hierarchical_bytes``, beside a flat ring's.
+
+Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
+"""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.check import mismatch
+from labkit.comm import CommTracer, wire_bytes
+from labkit.course.labscript import lab_arguments, run_lab
+
+STEPS, NUMEL = 5, 2 ** 16 + 3
+TASKS = ("compress.fp16", "compress.powersgd", "compress.hierarchical")
+
+
+def mlp(dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64), nn.Tanh(), nn.Linear(64, 10)).to(dtype)
+
+
+def batch(rank: int, step: int, dtype):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 64, generator=gen).to(dtype), torch.randn(16, 10, generator=gen).to(dtype)
+
+
+def train(dtype, state=None, hook=None) -> list[torch.Tensor]:
+    """Parameters after STEPS SGD steps of DDP with ``hook`` (None: torch's exact all-reduce)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(mlp(dtype))
+    if hook is not None:
+        model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = batch(dist.get_rank(), step, dtype)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def distance(params, exact) -> float:
+    """Relative distance of two parameter lists: ||a - b|| / ||b||."""
+    diff = torch.cat([(a - b).reshape(-1) for a, b in zip(params, exact)]).norm()
+    return (diff / torch.cat([b.reshape(-1) for b in exact]).norm()).item()
+
+
+def bf16_on_gloo(state, bucket) -> torch.futures.Future[torch.Tensor]:
+    """Your bf16 hook under another name: DDP refuses any hook *named* bf16_compress_hook unless
+    it runs on NCCL (or XCCL), although gloo all-reduces bf16 tensors."""
+    from labkit.compress import bf16_compress_hook
+    return bf16_compress_hook(state, bucket)
+
+
+def check_hooks() -> dict:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        powerSGD_hook as torch_powersgd,
+    )
+
+    from labkit.compress import PowerSGDState, fp16_compress_hook, powersgd_hook
+    exact32, exact64 = train(torch.float32), train(torch.float64)
+    fp16_mine = train(torch.float32, None, fp16_compress_hook)
+    fp16_torch = train(torch.float32, None, default_hooks.fp16_compress_hook)
+    settings = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=0)
+    psgd_mine = train(torch.float64, PowerSGDState(None, **settings), powersgd_hook)
+    psgd_torch = train(torch.float64, torch_powersgd.PowerSGDState(None, **settings), torch_powersgd.powerSGD_hook)
+    bf16_mine = train(torch.float32, None, bf16_on_gloo)
+    return dict(fp16_equal=all(torch.equal(a, b) for a, b in zip(fp16_mine, fp16_torch)),
+                powersgd_equal=all(mismatch(a, b, 1e-9, 1e-9) is None for a, b in zip(psgd_mine, psgd_torch)),
+                off_exact={"fp16": distance(fp16_mine, exact32), "bf16": distance(bf16_mine, exact32),
+                           "PowerSGD r=2": distance(psgd_mine, exact64)})
+
+
+def check_bytes() -> dict:
+    from labkit.compress import (
+        FlatBucket,
+        PowerSGDState,
+        bf16_compress_hook,
+        fp16_compress_hook,
+        powersgd_elements,
+        powersgd_hook,
+    )
+    model = mlp(torch.float32)
+    x, y = batch(dist.get_rank(), 0, torch.float32)
+    nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad for p in model.parameters()]
+    shapes = [tuple(g.shape) for g in grads]
+    numel = sum(g.numel() for g in grads)
+    counts = powersgd_elements(shapes, 2)
+    formula = {"none (fp32)": 4 * numel, "fp16": 2 * numel, "bf16": 2 * numel,
+               "PowerSGD r=2": 4 * (counts["uncompressed"] + counts["p"] + counts["q"])}
+    state = PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    state.iter = 2  # past the warm-up: this step compresses
+    hooks = {"none (fp32)": None, "fp16": (None, fp16_compress_hook), "bf16": (None, bf16_compress_hook),
+             "PowerSGD r=2": (state, powersgd_hook)}
+    traced = {}
+    for name, pair in hooks.items():
+        bucket = FlatBucket([g.clone() for g in grads])
+        with CommTracer() as tracer:
+            if pair is None:
+                dist.all_reduce(bucket.buffer())
+            else:
+                pair[1](pair[0], bucket).wait()
+        traced[name] = sum(e.bytes for e in tracer.events)
+    return dict(traced=traced, formula=formula, numel=numel)
+
+
+def check_hierarchical() -> dict:
+    from labkit.compress import NodeGroups, hierarchical_all_reduce, hierarchical_bytes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for nodes in [m for m in range(1, world + 1) if world % m == 0]:
+        per_node = world // nodes
+        groups = NodeGroups(nodes, per_node)
+        x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank))
+        want = x.clone()
+        dist.all_reduce(want)
+        with CommTracer() as tracer:
+            hierarchical_all_reduce(x, groups)
+        inside = sum(e.wire_bytes for e in tracer.events if e.kind != "all_reduce")
+        across = sum(e.wire_bytes for e in tracer.events if e.kind == "all_reduce")
+        rows.append(dict(nodes=nodes, per_node=per_node, equal=mismatch(x, want, 1e-5, 1e-5) is None,
+                         inside=inside, across=across, formula=hierarchical_bytes(NUMEL, 4, nodes, per_node),
+                         flat=wire_bytes("all_reduce", NUMEL * 4, world)))
+    return dict(rows=rows)
+
+
+def main() -> dict:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    result = {"backend": dist.get_backend()}
+    for name, check in (("hooks", check_hooks), ("bytes", check_bytes), ("hierarchical", check_hierarchical)):
+        try:
+            result[name] = check()
+        except NotImplementedError as exc:  # a stub raises on every rank alike
+            result[name + "_missing"] = str(exc)
+    return result
+
+
+def report(results: list[dict]) -> bool:
+    n = len(results)
+    print(f"Lab 11: communication hooks and hierarchical all-reduce on {n} rank(s), backend {results[0]['backend']}\n")
+    return all([report_hooks(results), report_bytes(results), report_hierarchical(results)])
+
+
+def report_hooks(results) -> bool:
+    if "hooks_missing" in results[0]:
+        print(f"hooks on DDP: not implemented yet: {results[0]['hooks_missing']}\n")
+        return False
+    first = results[0]["hooks"]
+    print(f"your hooks on torch's DDP, an MLP, {STEPS} SGD steps; distance from exact DDP ||w - w_exact|| / ||w_exact||:")
+    for name, d in first["off_exact"].items():
+        print(f"  {name:14s} {d:.2e}")
+    checks = {"fp16: your hook = torch's fp16_compress_hook, bit for bit, every rank": all(r["hooks"]["fp16_equal"] for r in results),
+              "PowerSGD: your hook = torch's powerSGD_hook (1e-9), every rank": all(r["hooks"]["powersgd_equal"] for r in results)}
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    print()
+    return all(checks.values())
+
+
+def report_bytes(results) -> bool:
+    if "bytes_missing" in results[0]:
+        print(f"bytes per step: not implemented yet: {results[0]['bytes_missing']}\n")
+        return False
+    first = results[0]["bytes"]
+    print(f"bytes all-reduced per step, one bucket of the MLP's {first['numel']:,} gradients (fp32):")
+    print("  hook            traced      formula   vs fp32")
+    for name, traced in first["traced"].items():
+        print(f"  {name:14s} {traced:8,d} B  {first['formula'][name]:8,d} B   {traced / first['traced']['none (fp32)']:.3f}")
+    ok = all(r["bytes"]["traced"] == r["bytes"]["formula"] for r in results)
+    print(f"{'ok  ' if ok else 'FAIL'} every hook's traced bytes equal its formula, every rank\n")
+    return ok
+
+
+def report_hierarchical(results) -> bool:
+    if "hierarchical_missing" in results[0]:
+        print(f"hierarchical all-reduce: not implemented yet: {results[0]['hierarchical_missing']}\n")
+        return False
+    print(f"hierarchical all-reduce of {NUMEL:,} fp32 values; ring bytes one rank sends per link class:")
+    print("  layout   inside a node   across nodes   (flat ring: every byte may cross a node boundary)")
+    for row in results[0]["hierarchical"]["rows"]:
+        print(f"  {row['nodes']} x {row['per_node']}   {row['inside']:13,.0f}   {row['across']:12,.0f}   "
+              f"(flat ring {row['flat']:,.0f})")
+    equal = all(row["equal"] for r in results for row in r["hierarchical"]["rows"])
+    formula = all(abs(row["inside"] - row["formula"]["inside"]) < 1e-6 and abs(row["across"] - row["formula"]["across"]) < 1e-6
+                  for r in results for row in r["hierarchical"]["rows"])
+    print(f"{'ok  ' if equal else 'FAIL'} equal to dist.all_reduce on every layout and rank")
+    print(f"{'ok  ' if formula else 'FAIL'} bytes per link class equal hierarchical_bytes on every layout and rank")
+    return equal and formula
+
+
+if __name__ == "__main__":
+    parser = lab_arguments(__doc__)
+    run_lab(main, report, parser.parse_args())

@@ -1,0 +1,326 @@
+"""Graded tests for chapter 11: communication hooks (fp16/bf16, PowerSGD) and hierarchical all-reduce.
+
+Every check runs on every rank; world size 1 is a diagnostic.
+
+compress.fp16: your fp16 hook and torch's ``fp16_compress_hook`` on two
+``DistributedDataParallel`` copies of one float32 MLP, same data, 4 SGD steps: parameters
+equal bit for bit (the same casts, division and sum). By hand on a ``FlatBucket``: gradients
+of 40000 on every rank (fp16's largest value is 65504) average to 40000, finite (divide
+before the sum); the trace is one all-reduce of numel x 2 bytes in the 16-bit type. bf16
+(torch's ``bf16_compress_hook`` refuses gloo) against a one-process reference: every value
+representable in bf16, and within the rounding bound of the exact average of the casts,
+|got - sum_r bf16(g_r)/N| <= N 2^-8 sum_r |g_r|/N (each of the <= N roundings of a partial
+sum or the division costs at most 2^-8 relative).
+
+compress.powersgd: ``should_compress`` and ``orthogonalize`` against their formulas; your
+hook and torch's ``powerSGD_hook`` on two DDP copies of one float64 MLP (same
+``PowerSGDState`` settings, seed 0, rank 1 and 2, one bucket: torch's hook hangs on gloo with
+several, its callbacks wait on collectives; 2 warm-up steps then 5 compressed): parameters after
+every step and the error state equal to 1e-9. By hand on two buckets over 50 steps (a fixed gradient G plus per-rank noise):
+the trace of a warm-up step is one all-reduce of the whole buffer; of a compressed step, an
+all-reduce of the uncompressed elements, one of sum n r (P) and one of sum m r (Q), 8 bytes
+each (``powersgd_elements``, torch's rule); error feedback's identity holds at every step:
+the sum of the applied averages equals the sum of the true averages minus the mean of the
+ranks' current errors (1e-9 relative), also at world 4 with the state's process_group a pair of
+ranks (the all-reduces over the pair, the averages the pair's); and the error stays bounded:
+||e_t|| <= 20 ||G|| at every step and its largest value in steps 26-50 at most 1.25 x that of steps 1-25 (measured over 300 steps on one
+rank: it levels off near 12 ||G|| for r = 1 and 6 ||G|| for r = 2; G is full rank, the worst case).
+
+compress.hierarchical: for every layout nodes x L of the world (4: 1x4, 2x2, 4x1; 6: 1x6,
+2x3, 3x2, 6x1), float64 and float32 tensors of 1, 7, 15 and 24 elements (some not multiples
+of L), every rank: equal to ``dist.all_reduce`` (1e-12 / 1e-6 relative), and the whole trace is
+a reduce-scatter of the padded buffer in this rank's node group, an all-reduce of its 1/L
+shard in its across-node group and an all-gather of the padded buffer in the node group,
+whose ring bytes per link class equal ``hierarchical_bytes``. A layout that is not the world
+raises ValueError with nothing traced. As a DDP hook (2 x N/2), 3 SGD steps equal plain DDP.
+"""
+
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.check import assert_close
+from labkit.comm import CommTracer, Op, assert_ops
+from labkit.course.grading import run_graded, task
+
+WORLD_SIZES = [1, 2, 4]
+
+
+def mlp(dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 24), nn.Tanh(), nn.Linear(24, 8)).to(dtype)
+
+
+def batch(rank: int, step: int, dtype):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, 16, generator=gen).to(dtype), torch.randn(6, 8, generator=gen).to(dtype)
+
+
+def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, lr: float = 0.1):
+    """Two DDP copies of one model, the learner's hook on the first, torch's on the second;
+    yields (step, my parameters, torch's parameters) after each SGD step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = dist.get_rank()
+    models = []
+    for state, hook in (mine, theirs):
+        model = DDP(mlp(dtype), bucket_cap_mb=bucket_cap_mb)
+        model.register_comm_hook(state, hook)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=lr)))
+    for step in range(steps):
+        x, y = batch(rank, step, dtype)
+        for model, opt in models:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        yield step, list(models[0][0].parameters()), list(models[1][0].parameters())
+
+
+# ----------------------------------------------------------------------------- fp16 / bf16
+
+def fp16_on_rank() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+        fp16_compress_hook as torch_fp16,
+    )
+
+    from labkit.compress import FlatBucket, bf16_compress_hook, fp16_compress_hook
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for step, mine, theirs in train_pair(torch.float32, (None, fp16_compress_hook), (None, torch_fp16), 4, 25):
+        for i, (p, q) in enumerate(zip(mine, theirs)):
+            assert torch.equal(p, q), (f"compress.fp16: rank {rank}, step {step + 1}, parameter {i}: your fp16 hook "
+                                       f"on DDP differs from torch's fp16_compress_hook (max diff {(p - q).abs().max():.3g})")
+
+    big = FlatBucket([torch.full((5,), 40000.0), torch.full((2, 3), -40000.0)])
+    with CommTracer() as tracer:
+        result = fp16_compress_hook(None, big).wait()
+    assert result is big.buffer() or result.data_ptr() == big.buffer().data_ptr(), \
+        "compress.fp16: the future's value must be the bucket's buffer, averaged in place"
+    assert torch.isfinite(big.buffer()).all() and torch.equal(big.buffer().abs(), torch.full((11,), 40000.0)), (
+        f"compress.fp16: rank {rank}: every rank sends +-40000, the average is +-40000; got "
+        f"{big.buffer().tolist()} (fp16 holds at most 65504: divide by N before the sum)")
+    assert_ops(tracer, [Op("all_reduce", 11 * 2)], "compress.fp16: one all-reduce of the bucket in fp16")
+    assert all(e.dtype == torch.float16 for e in tracer.events), "compress.fp16: the all-reduce must run in fp16"
+
+    grads = [torch.randn(4, 5, generator=torch.Generator().manual_seed(10 + r)) * 10 ** (r % 3) for r in range(n)]
+    bucket = FlatBucket([grads[rank].clone()])
+    with CommTracer() as tracer:
+        got = bf16_compress_hook(None, bucket).wait().view(4, 5)
+    assert_ops(tracer, [Op("all_reduce", 20 * 2)], "compress.bf16: one all-reduce of the bucket in bf16")
+    assert all(e.dtype == torch.bfloat16 for e in tracer.events), "compress.bf16: the all-reduce must run in bf16"
+    assert got.dtype == torch.float32, "compress.bf16: the buffer keeps its dtype (cast back)"
+    assert torch.equal(got, got.to(torch.bfloat16).float()), \
+        f"compress.bf16: rank {rank}: the average must be a bf16 value cast back (was it sent in bf16?)"
+    terms = torch.stack([g.to(torch.bfloat16).double() / n for g in grads])
+    exact = terms.sum(0)
+    bound = n * 2.0 ** -8 * terms.abs().sum(0) + 1e-30
+    worst = ((got.double() - exact).abs() / bound).max().item()
+    assert worst <= 1, (f"compress.bf16: rank {rank}: the average is off the one-process reference "
+                        f"sum_r bf16(g_r)/N by {worst:.3g} x its rounding bound")
+
+    if n == 4:  # a subgroup: the hook averages over process_group, not the world
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        members = [rank // 2 * 2, rank // 2 * 2 + 1]
+        bucket = FlatBucket([torch.full((3,), float(rank))])
+        with CommTracer() as tracer:
+            fp16_compress_hook(pairs[rank // 2], bucket).wait()
+        assert torch.equal(bucket.buffer(), torch.full((3,), sum(members) / 2)), \
+            f"compress.fp16: rank {rank}: over the group {members} the average is {sum(members) / 2}, got {bucket.buffer().tolist()}"
+        assert_ops(tracer, [Op("all_reduce", 3 * 2, members)], f"compress.fp16: rank {rank}: one fp16 all-reduce over {members}")
+
+
+# ----------------------------------------------------------------------------- PowerSGD
+
+def formulas_of_powersgd() -> None:
+    from labkit.compress import orthogonalize, should_compress
+    for rows, cols, rank, rate in [(32, 16, 1, 2), (32, 16, 4, 2), (8, 8, 2, 2), (32, 1, 1, 2), (10, 10, 3, 1.5), (6, 6, 2, 1)]:
+        want = (rows + cols) * rank * rate < rows * cols
+        assert should_compress(rows, cols, rank, rate) == want, \
+            f"compress.powersgd: should_compress({rows}, {cols}, r={rank}, rate={rate}) must be {want}"
+    gen = torch.Generator().manual_seed(3)
+    for n, r in [(7, 1), (9, 2), (12, 4)]:
+        matrix = torch.randn(n, r, generator=gen, dtype=torch.float64)
+        original = matrix.clone()
+        orthogonalize(matrix)
+        assert_close(matrix.t() @ matrix, torch.eye(r, dtype=torch.float64),
+                     f"compress.powersgd: orthogonalize ({n} x {r}): columns orthonormal")
+        q, _ = torch.linalg.qr(original)
+        assert_close(matrix @ matrix.t(), q @ q.t(), f"compress.powersgd: orthogonalize ({n} x {r}): same column space")
+        assert_close((matrix * original).sum(0).abs(), (matrix * original).sum(0),
+                     f"compress.powersgd: orthogonalize ({n} x {r}): Gram-Schmidt keeps each column's direction")
+
+
+def powersgd_vs_torch() -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as theirs
+
+    from labkit.compress import PowerSGDState, powersgd_hook
+    rank = dist.get_rank()
+    for r in (1, 2):
+        settings = dict(matrix_approximation_rank=r, start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
+        mine, torch_state = PowerSGDState(None, **settings), theirs.PowerSGDState(None, **settings)
+        for step, p_mine, p_theirs in train_pair(torch.float64, (mine, powersgd_hook),
+                                                 (torch_state, theirs.powerSGD_hook), 7, 25):
+            what = f"compress.powersgd: rank {rank}, r={r}, step {step + 1}"
+            for i, (p, q) in enumerate(zip(p_mine, p_theirs)):
+                assert_close(p, q, f"{what}: parameter {i} vs torch's powerSGD_hook", rtol=1e-9, atol=1e-9)
+        assert sorted(mine.error_dict) == sorted(torch_state.error_dict), \
+            f"compress.powersgd: rank {rank}: error state per bucket like torch's ({sorted(torch_state.error_dict)})"
+        for index, error in torch_state.error_dict.items():
+            assert_close(mine.error_dict[index], error, f"compress.powersgd: rank {rank}, r={r}: error of bucket {index}",
+                         rtol=1e-9, atol=1e-9)
+
+
+def powersgd_by_hand() -> None:
+    from labkit.compress import (
+        FlatBucket,
+        PowerSGDState,
+        powersgd_elements,
+        powersgd_hook,
+    )
+    rank, n = dist.get_rank(), dist.get_world_size()
+    shapes = [(32, 16), (32,), (24, 32), (24,), (4, 4), (8, 24), (8,)]
+    gen = torch.Generator().manual_seed(5)
+    base = [torch.randn(*s, generator=gen, dtype=torch.float64) for s in shapes]
+    base_norm = torch.cat([b.reshape(-1) for b in base]).norm()
+    split = 4  # two buckets: the first four tensors, then the rest (the last bucket of a step)
+    cases = [(1, None, None), (2, None, None)]
+    if n == 4:  # and within a subgroup: the state's process_group, ranks in pairs
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        cases.append((2, pairs[rank // 2], [rank // 2 * 2, rank // 2 * 2 + 1]))
+    for r, group, members in cases:
+        size = dist.get_world_size(group)
+        state = PowerSGDState(group, matrix_approximation_rank=r, start_powerSGD_iter=2)
+        applied, true, norms = 0, 0, []
+        counts = [powersgd_elements(shapes[:split], r), powersgd_elements(shapes[split:], r)]
+        for step in range(50):
+            noise = torch.Generator().manual_seed(100 * step + rank)
+            grads = [b + 0.3 * torch.randn(b.shape, generator=noise, dtype=torch.float64) for b in base]
+            buckets = [FlatBucket(grads[:split], index=0, last=False), FlatBucket(grads[split:], index=1, last=True)]
+            sent = torch.cat([b.buffer() for b in buckets])
+            what = f"compress.powersgd: rank {rank}, r={r}, group {members or 'world'}, step {step + 1}"
+            out = []
+            for bucket, count in zip(buckets, counts):
+                numel = bucket.buffer().numel()
+                with CommTracer() as tracer:
+                    out.append(powersgd_hook(state, bucket).wait())
+                if step < 2:
+                    want = [Op("all_reduce", numel * 8, members)]
+                else:
+                    want = [Op("all_reduce", count[key] * 8, members) for key in ("uncompressed", "p", "q")]
+                assert_ops(tracer, want, f"{what}, bucket {bucket.index()} (warm-up: the whole bucket; "
+                                         "then the uncompressed elements, P = sum n r, Q = sum m r)")
+            out = torch.cat(out)
+            true_mean = sent.clone()
+            dist.all_reduce(true_mean, group=group)
+            true = true + true_mean / size
+            applied = applied + out
+            own = torch.cat([state.error_dict.get(i, torch.zeros(b.buffer().numel(), dtype=torch.float64))
+                             for i, b in enumerate(buckets)])
+            error = own.clone()
+            dist.all_reduce(error, group=group)
+            assert_close(applied, true - error / size, what + ": error feedback: sum of the applied averages = "
+                         "sum of the true averages - mean error", rtol=1e-9, atol=1e-9 * true.abs().max().item())
+            norms.append((own.norm() / base_norm).item())
+            assert norms[-1] <= 20, f"{what}: the error grew to {norms[-1]:.3g} x ||G|| (bound 20)"
+        early, late = max(norms[:25]), max(norms[25:])
+        assert late <= 1.25 * early, (f"compress.powersgd: rank {rank}, r={r}, group {members or 'world'}: the error keeps growing: at most "
+                                      f"{early:.3g} x ||G|| in steps 1-25, {late:.3g} x ||G|| in steps 26-50")
+
+
+# ----------------------------------------------------------------------------- hierarchical
+
+def hierarchical_on_rank() -> None:
+    from labkit.compress import NodeGroups, hierarchical_all_reduce, hierarchical_bytes
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for nodes, per_node in [(2, world), (world, 2), (0, world), (world + 1, 1)]:
+        with CommTracer() as tracer, pytest.raises(ValueError):
+            NodeGroups(nodes, per_node)
+        assert not tracer.events, f"compress.hierarchical: {nodes} x {per_node} on {world} ranks: refuse before communicating"
+    layouts = [(m, world // m) for m in range(1, world + 1) if world % m == 0]
+    for nodes, per_node in layouts:
+        groups = NodeGroups(nodes, per_node)
+        node = list(range(rank // per_node * per_node, (rank // per_node + 1) * per_node))
+        across = list(range(rank % per_node, world, per_node))
+        for numel in (1, 7, 15, 24):
+            for dtype in (torch.float64, torch.float32):
+                gen = torch.Generator().manual_seed(numel + 31 * rank)
+                x = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+                if numel == 24:
+                    x = x.view(4, 6)
+                want = x.clone()
+                dist.all_reduce(want)
+                with CommTracer() as tracer:
+                    hierarchical_all_reduce(x, groups)
+                what = f"compress.hierarchical: rank {rank}, {nodes} x {per_node}, {numel} x {dtype}"
+                tol = 1e-12 if dtype == torch.float64 else 1e-6
+                assert_close(x, want, what + ": equal to dist.all_reduce", rtol=tol, atol=tol)
+                size = x.element_size()
+                shard = -(-numel // per_node)
+                assert_ops(tracer, [Op("reduce_scatter", shard * per_node * size, node),
+                                    Op("all_reduce", shard * size, across),
+                                    Op("all_gather", shard * per_node * size, node)],
+                           what + " (reduce-scatter in the node, all-reduce of the shard across, all-gather in the node)")
+                links = hierarchical_bytes(numel, size, nodes, per_node)
+                inside = sum(e.wire_bytes for e in tracer.events if tuple(e.group) == tuple(node) and e.kind != "all_reduce")
+                over = sum(e.wire_bytes for e in tracer.events if e.kind == "all_reduce")
+                assert abs(inside - links["inside"]) < 1e-9 and abs(over - links["across"]) < 1e-9, \
+                    f"{what}: ring bytes per link class {inside}, {over} vs the formula {links}"
+
+
+def hierarchical_as_hook() -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from labkit.compress import NodeGroups, hierarchical_hook
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = 2 if world % 2 == 0 else 1
+    groups = NodeGroups(nodes, world // nodes)
+    models = []
+    for hook in (hierarchical_hook, None):
+        model = DDP(mlp(torch.float64), bucket_cap_mb=0.004)
+        if hook:
+            model.register_comm_hook(groups, hook)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    for step in range(3):
+        x, y = batch(rank, step, torch.float64)
+        for model, opt in models:
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        for i, (p, q) in enumerate(zip(models[0][0].parameters(), models[1][0].parameters())):
+            assert_close(p, q, f"compress.hierarchical: rank {rank}, {nodes} x {world // nodes} as a DDP hook, "
+                               f"step {step + 1}, parameter {i} vs plain DDP", rtol=1e-12, atol=1e-12)
+
+
+def hierarchical_checks() -> None:
+    hierarchical_on_rank()
+    hierarchical_as_hook()
+
+
+@task("compress.fp16", points=1)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_fp16(world_size):
+    run_graded("compress.fp16", fp16_on_rank, world_size)
+
+
+@task("compress.powersgd", points=1)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_powersgd_formulas(world_size):
+    run_graded("compress.powersgd", formulas_of_powersgd, world_size)
+
+
+@task("compress.powersgd", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_powersgd_vs_torch(world_size):
+    run_graded("compress.powersgd", powersgd_vs_torch, world_size, timeout=120)
+
+
+@task("compress.powersgd", points=2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_powersgd_error_feedback(world_size):
+    run_graded("compress.powersgd", powersgd_by_hand, world_size, timeout=120)
+
+
+@task("compress.hierarchical", points=2)
+@pytest.mark.parametrize("world_size", [1, 4, 6])
+def test_hierarchical(world_size):
+    run_graded("compress.hierarchical", hierarchical_checks, world_size, timeout=120)
