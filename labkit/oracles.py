@@ -61,6 +61,26 @@ def builtin_ddp(model, process_group=None, **options):
     return DistributedDataParallel(model, process_group=process_group, **options)
 
 
+
+def builtin_fp16_hook():
+    """torch's ``fp16_compress_hook`` (chapter 11's oracle for ``compress.fp16``): the bucket
+    cast to float16, divided by the group size, all-reduced and cast back. Register it with
+    ``ddp.register_comm_hook(None, hook)``."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return fp16_compress_hook
+
+
+def builtin_powersgd(process_group=None, **settings):
+    """torch's PowerSGD (chapter 11's oracle for ``compress.powersgd``): ``(state, hook)`` for
+    ``ddp.register_comm_hook(state, hook)``, the state made with ``settings``
+    (``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
+    ``random_seed``, ...), as ``labkit.compress.PowerSGDState`` takes them. On gloo torch's hook
+    hangs when DDP has several buckets: compare it on models that fit one bucket."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    return powerSGD_hook.PowerSGDState(process_group, **settings), powerSGD_hook.powerSGD_hook
+
 # A small GPT (~0.1 M parameters, 0.42 MB fp32): its AdamW state is twice that.
 ZERO_BENCH_GPT = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64)
 

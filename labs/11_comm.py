@@ -44,8 +44,8 @@ def batch(rank: int, step: int, dtype):
 
 def train(dtype, state=None, hook=None) -> list[torch.Tensor]:
     """Parameters after STEPS SGD steps of DDP with ``hook`` (None: torch's exact all-reduce)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    model = DDP(mlp(dtype))
+    from labkit.oracles import builtin_ddp
+    model = builtin_ddp(mlp(dtype))
     if hook is not None:
         model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -71,18 +71,14 @@ def bf16_on_gloo(state, bucket) -> torch.futures.Future[torch.Tensor]:
 
 
 def check_hooks() -> dict:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import (
-        powerSGD_hook as torch_powersgd,
-    )
-
     from labkit.compress import PowerSGDState, fp16_compress_hook, powersgd_hook
+    from labkit.oracles import builtin_fp16_hook, builtin_powersgd
     exact32, exact64 = train(torch.float32), train(torch.float64)
     fp16_mine = train(torch.float32, None, fp16_compress_hook)
-    fp16_torch = train(torch.float32, None, default_hooks.fp16_compress_hook)
+    fp16_torch = train(torch.float32, None, builtin_fp16_hook())
     settings = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=0)
     psgd_mine = train(torch.float64, PowerSGDState(None, **settings), powersgd_hook)
-    psgd_torch = train(torch.float64, torch_powersgd.PowerSGDState(None, **settings), torch_powersgd.powerSGD_hook)
+    psgd_torch = train(torch.float64, *builtin_powersgd(**settings))
     bf16_mine = train(torch.float32, None, bf16_on_gloo)
     return dict(fp16_equal=all(torch.equal(a, b) for a, b in zip(fp16_mine, fp16_torch)),
                 powersgd_equal=all(mismatch(a, b, 1e-9, 1e-9) is None for a, b in zip(psgd_mine, psgd_torch)),

@@ -61,7 +61,7 @@ def batch(rank: int, step: int, dtype):
 def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, lr: float = 0.1):
     """Two DDP copies of one model, the learner's hook on the first, torch's on the second;
     yields (step, my parameters, torch's parameters) after each SGD step."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from labkit.oracles import builtin_ddp as DDP
     rank = dist.get_rank()
     models = []
     for state, hook in (mine, theirs):
@@ -80,11 +80,9 @@ def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, lr: float 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
 def fp16_on_rank() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-        fp16_compress_hook as torch_fp16,
-    )
-
     from labkit.compress import FlatBucket, bf16_compress_hook, fp16_compress_hook
+    from labkit.oracles import builtin_fp16_hook
+    torch_fp16 = builtin_fp16_hook()
     rank, n = dist.get_rank(), dist.get_world_size()
     for step, mine, theirs in train_pair(torch.float32, (None, fp16_compress_hook), (None, torch_fp16), 4, 25):
         for i, (p, q) in enumerate(zip(mine, theirs)):
@@ -151,15 +149,14 @@ def formulas_of_powersgd() -> None:
 
 
 def powersgd_vs_torch() -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as theirs
-
     from labkit.compress import PowerSGDState, powersgd_hook
+    from labkit.oracles import builtin_powersgd
     rank = dist.get_rank()
     for r in (1, 2):
         settings = dict(matrix_approximation_rank=r, start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
-        mine, torch_state = PowerSGDState(None, **settings), theirs.PowerSGDState(None, **settings)
+        mine, (torch_state, torch_hook) = PowerSGDState(None, **settings), builtin_powersgd(**settings)
         for step, p_mine, p_theirs in train_pair(torch.float64, (mine, powersgd_hook),
-                                                 (torch_state, theirs.powerSGD_hook), 7, 25):
+                                                 (torch_state, torch_hook), 7, 25):
             what = f"compress.powersgd: rank {rank}, r={r}, step {step + 1}"
             for i, (p, q) in enumerate(zip(p_mine, p_theirs)):
                 assert_close(p, q, f"{what}: parameter {i} vs torch's powerSGD_hook", rtol=1e-9, atol=1e-9)
@@ -268,9 +265,8 @@ def hierarchical_on_rank() -> None:
 
 
 def hierarchical_as_hook() -> None:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from labkit.compress import NodeGroups, hierarchical_hook
+    from labkit.oracles import builtin_ddp as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes = 2 if world % 2 == 0 else 1
     groups = NodeGroups(nodes, world // nodes)

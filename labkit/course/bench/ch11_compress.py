@@ -13,9 +13,8 @@ HIER_NUMEL = 2 ** 22  # 16 MiB of fp32
 
 
 def _hooked_gpt(config, state, hook):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from labkit.models import GPT
+    from labkit.oracles import builtin_ddp as DDP
     torch.manual_seed(0)
     model = DDP(GPT(config))
     model.register_comm_hook(state, hook)
@@ -24,20 +23,17 @@ def _hooked_gpt(config, state, hook):
 
 def _hook_vs_torch(repeats: int, which: str) -> dict:
     """A DDP training step of a GPT with labkit.compress's hook vs torch's (same settings)."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
-
     from labkit import compress
     from labkit.models import GPTConfig
-    from labkit.oracles import DDP_BENCH_GPT, ZERO_BENCH_GPT
+    from labkit.oracles import DDP_BENCH_GPT, ZERO_BENCH_GPT, builtin_fp16_hook, builtin_powersgd
     if which == "fp16":
         config = GPTConfig(**DDP_BENCH_GPT)
-        pairs = {"ours": (None, compress.fp16_compress_hook), "builtin": (None, default_hooks.fp16_compress_hook)}
+        pairs = {"ours": (None, compress.fp16_compress_hook), "builtin": (None, builtin_fp16_hook())}
     else:  # one bucket (the GPT is under DDP's 1 MiB first bucket): torch's hook hangs on gloo with several
         config = GPTConfig(**ZERO_BENCH_GPT)
         settings = dict(matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
         pairs = {"ours": (compress.PowerSGDState(None, **settings), compress.powersgd_hook),
-                 "builtin": (torch_psgd.PowerSGDState(None, **settings), torch_psgd.powerSGD_hook)}
+                 "builtin": builtin_powersgd(**settings)}
     models = {name: _hooked_gpt(config, *pair) for name, pair in pairs.items()}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     medians, tracers = race_training_steps(models, optimizers, rank_batch(config, 8), repeats)
