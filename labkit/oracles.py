@@ -124,6 +124,17 @@ def builtin_fully_shard(model, mesh=None, **options):
     return model
 
 
+
+def cpu_offload_policy(pin_memory: bool | None = None):
+    """FSDP2's ``CPUOffloadPolicy`` (chapter 12's oracle for ``recompute.optimizer_offload``):
+    with ``builtin_fully_shard(model, offload_policy=...)`` the sharded parameters, gradients
+    and optimizer state live on the host and the optimizer steps there. Pinned host memory
+    only where CUDA is there (default)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+
 # A GPT where the matmuls are worth splitting: 4 blocks of 256 channels, 8 heads, 1.6 M
 # parameters (untied head: parallelize_module cannot split a tied one), sequences of 64.
 TP_BENCH_GPT = dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256, tie_weights=False)
@@ -250,8 +261,9 @@ def dcp_load(model, optimizer, path: str) -> None:
 
 
 def full_state_dict(model) -> dict:
-    """The whole (unsharded) parameters of a ``fully_shard`` model, on the CPU: what
-    ``labkit.fsdp.full_state_dict`` gives for the course's."""
+    """The whole (unsharded) parameters of a ``fully_shard`` model, on the CPU, **on rank 0**
+    (torch's ``cpu_offload`` option leaves the other ranks an empty dict): compare it with
+    ``labkit.fsdp.full_state_dict`` (which fills every rank) on rank 0. Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
