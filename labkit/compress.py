@@ -30,6 +30,12 @@ Two levers cut its cost:
         r(n + m) x min_compression_rate >= nm) go through one plain all-reduce.
     ``PowerSGDState`` (given) holds the same state as torch's ``PowerSGDState`` (per bucket:
     the error, P and Q), so the two hooks can be compared step by step.
+  - top-k (Aji and Heafield 2017, arXiv:1704.05021; Lin et al. 2018, arXiv:1712.01887):
+    each rank sends only the k = ratio x numel entries of largest magnitude, as (index,
+    value) pairs, and keeps the rest as its error for the next step (error feedback,
+    Karimireddy et al. 2019, arXiv:1901.09847). Two ranks' top-k sets differ, so the sparse
+    sum cannot be built by a ring that adds chunks on the way: every rank all-gathers
+    everyone's pairs (N k of them) and adds them up itself.
 
 * Route by topology. Inside a node GPUs talk over NVLink (hundreds of GB/s); across nodes
   over InfiniBand or Ethernet (tens of GB/s per GPU). A flat ring crosses the slow links with
@@ -41,6 +47,7 @@ Two levers cut its cost:
 Tasks (run ``labkit grade compress``; tests in ``tests/grading/test_compress.py``):
     compress.fp16          compress_hook (fp16_compress_hook and bf16_compress_hook call it)
     compress.powersgd      should_compress, orthogonalize, powersgd_hook
+    compress.topk          topk_hook
     compress.hierarchical  hierarchical_all_reduce
 ``NodeGroups`` (given) checks ``nodes x ranks_per_node`` against the world (ValueError before
 any communication) and makes the groups; ``hierarchical_hook`` runs your all-reduce as a hook.
@@ -298,6 +305,64 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
         else:
             counts["uncompressed"] += n * m
     return counts
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+class TopKState:
+    """Top-k's setting and state: ``ratio`` (0 < ratio <= 1; each rank sends
+    k = max(1, int(ratio x numel)) values of a bucket of numel) and, per bucket index,
+    ``error_dict`` (this rank's error, flat like the buffer, dtype of the buffer)."""
+
+    def __init__(self, process_group=None, ratio: float = 0.01):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"top-k: ratio must be in (0, 1], got {ratio!r}")
+        self.process_group = process_group
+        self.ratio = ratio
+        self.error_dict: dict[int, torch.Tensor] = {}
+
+
+def topk_count(numel: int, ratio: float) -> int:
+    """k: how many of a bucket's ``numel`` values each rank sends."""
+    return max(1, int(ratio * numel))
+
+
+def topk_hook(state: "TopKState", bucket) -> torch.futures.Future[torch.Tensor]:
+    """Top-k sparsification with error feedback (Aji and Heafield 2017; Lin et al. 2018):
+    leave in ``bucket.buffer()`` the average of what every rank sent; return a completed future.
+
+    1. error feedback: add ``state.error_dict[i]`` (i = ``bucket.index()``), if any, to the buffer;
+    2. keep the k = ``topk_count(numel, state.ratio)`` values of largest magnitude: their
+       indices (int64) and values (the buffer's dtype);
+    3. the new error is the buffer with those k entries set to zero (what was not sent);
+    4. all-gather the indices, then the values (``dist.all_gather_single`` of k each, over
+       ``state.process_group``): sparse vectors do not add up element by element like dense
+       ones, so every rank gets everyone's k pairs;
+    5. zero the buffer, add every pair into it (``index_add_``: two ranks may send the same
+       index), divide by N.
+    """
+    # BEGIN SOLUTION compress.topk: add the error, k largest |values|, new error = the rest, all-gather indices then values, scatter-add into the zeroed buffer, / N
+    group = state.process_group
+    world = _group_size(group)
+    buffer, index = bucket.buffer(), bucket.index()
+    if index in state.error_dict:
+        buffer.add_(state.error_dict[index])
+    k = topk_count(buffer.numel(), state.ratio)
+    indices = buffer.abs().topk(k).indices
+    values = buffer[indices]
+    error = buffer.clone()
+    error[indices] = 0
+    state.error_dict[index] = error
+
+    all_indices = indices.new_empty(world * k)
+    all_values = values.new_empty(world * k)
+    dist.all_gather_single(all_indices, indices, group=group)
+    dist.all_gather_single(all_values, values, group=group)
+    buffer.zero_().index_add_(0, all_indices, all_values)
+    buffer.div_(world)
+    return completed(buffer)
+    # END SOLUTION
 
 
 # ----------------------------------------------------------------------------- hierarchical

@@ -44,6 +44,22 @@ MUTANTS = [
            replace="dist.all_reduce(state.p_memory_dict[index])"),
     Mutant("compress.powersgd", "gram_schmidt_no_projection", "normalises the columns but does not remove the earlier ones",
            find="        rest -= column * (column * rest).sum(dim=0, keepdim=True)\n", replace=""),
+    # compress.topk
+    Mutant("compress.topk", "no_error_feedback", "never adds last step's error back: what was not sent is lost",
+           find="    if index in state.error_dict:\n        buffer.add_(state.error_dict[index])\n", replace=""),
+    Mutant("compress.topk", "k_plus_one", "sends one value more than k = ratio x numel",
+           find="k = topk_count(buffer.numel(), state.ratio)", replace="k = topk_count(buffer.numel(), state.ratio) + 1"),
+    Mutant("compress.topk", "all_reduce_dense", "scatters its k values into a dense buffer and all-reduces that: right sum, full bytes",
+           find="    dist.all_gather_single(all_indices, indices, group=group)\n"
+                "    dist.all_gather_single(all_values, values, group=group)\n"
+                "    buffer.zero_().index_add_(0, all_indices, all_values)\n",
+           replace="    buffer.zero_()[indices] = values\n    dist.all_reduce(buffer, group=group)\n"),
+    Mutant("compress.topk", "no_divide", "sums the sparse contributions and never divides by N",
+           find="    buffer.div_(world)\n    return completed(buffer)\n    # END SOLUTION\n\n\n# ---", replace="    return completed(buffer)\n    # END SOLUTION\n\n\n# ---"),
+    Mutant("compress.topk", "largest_signed", "keeps the k largest signed values, not the largest magnitudes",
+           find="indices = buffer.abs().topk(k).indices", replace="indices = buffer.topk(k).indices"),
+    Mutant("compress.topk", "error_not_zeroed", "keeps the sent values in the error too: they are sent again next step",
+           find="    error[indices] = 0\n", replace=""),
     # compress.hierarchical
     Mutant("compress.hierarchical", "across_over_world", "all-reduces the shard over the whole world instead of across nodes",
            find="dist.all_reduce(part, group=groups.across)", replace="dist.all_reduce(part)"),
