@@ -313,7 +313,10 @@ def powersgd_elements(shapes: list[tuple[int, ...]], rank: int, min_compression_
 class TopKState:
     """Top-k's setting and state: ``ratio`` (0 < ratio <= 1; each rank sends
     k = max(1, int(ratio x numel)) values of a bucket of numel) and, per bucket index,
-    ``error_dict`` (this rank's error, flat like the buffer, dtype of the buffer)."""
+    ``error_dict`` (this rank's error, flat like the buffer, dtype of the buffer).
+    Caution: torch's DDP rebuilds its buckets after the first step, so with several buckets an
+    index may then hold other parameters (PowerSGD's warm-up steps exist for this); the
+    models of this chapter's lab fit one bucket."""
 
     def __init__(self, process_group=None, ratio: float = 0.01):
         if not 0 < ratio <= 1:
