@@ -160,3 +160,31 @@ def _device_of(things) -> torch.device:
     for t in _tensors_of(things):
         return t.device
     return torch.device("cpu")
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward while active (``with SavedBytes(module) as saved``):
+    each storage once, the module's parameters left out (they exist anyway). Read
+    ``saved.bytes`` after the forward pass."""
+
+    def __init__(self, module):
+        self.params = {p.untyped_storage()._cdata for p in module.parameters()}
+        self.storages = {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage._cdata not in self.params:
+            self.storages[storage._cdata] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self):
+        return sum(self.storages.values())

@@ -11,34 +11,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from labkit import budget
-from labkit.memory import memory_report
+from labkit.memory import SavedBytes, memory_report
 from labkit.models import GPT, Block, GPTConfig
-
-
-class SavedBytes:
-    """Bytes autograd saves for backward inside the block, each storage once, parameters left out."""
-
-    def __init__(self, module):
-        self.params = {p.untyped_storage()._cdata for p in module.parameters()}
-        self.storages = {}
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage._cdata not in self.params:
-            self.storages[storage._cdata] = storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def bytes(self):
-        return sum(self.storages.values())
 
 
 class ExplicitBlock(Block):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
+from labkit.memory import SavedBytes
 from labkit.models import GPTConfig
 
 DROPOUT, STEPS = 0.2, 5
@@ -42,32 +43,6 @@ def tokens(rank: int, step: int, batch: int = 3, seq: int = 8):
     gen = torch.Generator().manual_seed(1000 * rank + step)
     idx = torch.randint(0, CONFIG.vocab_size, (batch, seq + 1), generator=gen)
     return idx[:, :-1], idx[:, 1:]
-
-
-class Saved:
-    """Bytes autograd saves inside the block, each storage once, parameters left out."""
-
-    def __init__(self, model):
-        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.storages = {}
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage._cdata not in self.params:
-            self.storages[storage._cdata] = storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    @property
-    def bytes(self):
-        return sum(self.storages.values())
 
 
 def kept_bytes(s, b, h, a, element=8, selective=False):
@@ -158,7 +133,7 @@ def checkpoint_on_rank() -> None:
         checkpoint_every(model, 2)
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         for i, block in enumerate(model.blocks):
-            with Saved(model) as saved:
+            with SavedBytes(model) as saved:
                 x = block(x)
             want = s * b * h * 8 if i % 2 == 0 else kept_bytes(s, b, h, a)
             assert saved.bytes == want, (
@@ -180,7 +155,7 @@ def selective_on_rank() -> None:
         model = memory_gpt(config, DROPOUT, selective=True, seed=rank).double()
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         for i, block in enumerate(model.blocks):
-            with Saved(model) as saved:
+            with SavedBytes(model) as saved:
                 x = block(x)
             want = kept_bytes(s, b, h, a, selective=True)
             assert saved.bytes == want, (
