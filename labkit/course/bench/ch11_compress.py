@@ -1,4 +1,4 @@
-"""``labkit bench`` rows of chapter 11 (compress): the hooks vs torch's, hierarchical vs flat all-reduce."""
+"""``labkit bench`` rows of chapter 11 (compress): the hooks vs torch's (top-k vs its plain all-reduce), hierarchical vs flat all-reduce."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from labkit.launch import launch
 from labkit.timing import interleaved_medians
 
 HIER_NUMEL = 2 ** 22  # 16 MiB of fp32
+TOPK_RATIO = 0.01
 
 
 def _hooked_gpt(config, state, hook):
@@ -17,7 +18,8 @@ def _hooked_gpt(config, state, hook):
     from labkit.oracles import builtin_ddp as DDP
     torch.manual_seed(0)
     model = DDP(GPT(config))
-    model.register_comm_hook(state, hook)
+    if hook is not None:  # None: DDP's own all-reduce
+        model.register_comm_hook(state, hook)
     return model
 
 
@@ -29,6 +31,9 @@ def _hook_vs_torch(repeats: int, which: str) -> dict:
     if which == "fp16":
         config = GPTConfig(**DDP_BENCH_GPT)
         pairs = {"ours": (None, compress.fp16_compress_hook), "builtin": (None, builtin_fp16_hook())}
+    elif which == "topk":  # torch has no top-k hook: against DDP's own all-reduce; one bucket (error by index)
+        config = GPTConfig(**ZERO_BENCH_GPT)
+        pairs = {"ours": (compress.TopKState(None, ratio=TOPK_RATIO), compress.topk_hook), "builtin": (None, None)}
     else:  # one bucket (the GPT is under DDP's 1 MiB first bucket): torch's hook hangs on gloo with several
         config = GPTConfig(**ZERO_BENCH_GPT)
         settings = dict(matrix_approximation_rank=4, start_powerSGD_iter=2, random_seed=0)
@@ -38,8 +43,11 @@ def _hook_vs_torch(repeats: int, which: str) -> dict:
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     medians, tracers = race_training_steps(models, optimizers, rank_batch(config, 8), repeats)
     shapes = [tuple(p.shape) for p in models["ours"].module.parameters()]
+    numel = sum(torch.Size(s).numel() for s in shapes)
     if which == "fp16":
-        formula = 2 * sum(torch.Size(s).numel() for s in shapes)
+        formula = 2 * numel
+    elif which == "topk":  # all-gathers of k int64 indices and k fp32 values from each of N ranks
+        formula = dist.get_world_size() * compress.topk_count(numel, TOPK_RATIO) * (8 + 4)
     else:
         counts = compress.powersgd_elements(shapes, 4)
         formula = 4 * (counts["uncompressed"] + counts["p"] + counts["q"])
@@ -64,6 +72,14 @@ def compress_powersgd_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
     # where the tracer does not see them: its traced bytes would be the uncompressed part only.
     return BenchRow(f"DDP GPT step, PowerSGD r=4, {world_size} ranks vs torch's powerSGD_hook", r["ours"], r["builtin"],
                     r["traced"], r["formula"])
+
+
+@row("compress_topk")
+def compress_topk_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
+    """a DDP GPT step with your top-k hook, 1% (chapter 11) vs torch's DDP without a hook"""
+    r = launch(_hook_vs_torch, world_size, repeats, "topk", timeout=600)[0]
+    return BenchRow(f"DDP GPT step, top-k 1%, {world_size} ranks vs torch's DDP all-reduce (no top-k hook in torch)",
+                    r["ours"], r["builtin"], r["traced"], r["formula"], extra=dict(builtin_bytes=r["builtin_bytes"]))
 
 
 def _hierarchical_vs_flat(repeats: int, nodes: int) -> dict:
