@@ -14,6 +14,8 @@ the built-in side is written once. An exercise module never imports this (see
     07       parallelize_module (SP plan)                 builtin_sequence_parallel
     08       init_device_mesh, fully_shard x TP           device_mesh, builtin_2d
     09       torch.distributed.checkpoint (DCP)           dcp_save, dcp_load, full_state_dict
+    11       DDP comm hooks (fp16, PowerSGD)              builtin_fp16_hook, builtin_powersgd
+    12       torch.utils.checkpoint (non-reentrant)       builtin_checkpoint
 
 torch.distributed's submodules are imported inside the functions, on the ranks that use
 them: importing this module costs nothing more than torch (``labkit tasks`` stays fast, and
@@ -267,3 +269,18 @@ def full_state_dict(model) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class builtin_checkpoint(torch.nn.Module):
+    """``block`` (a module or any function of tensors) run under ``torch.utils.checkpoint``,
+    non-reentrant (the recommended mode): put it where the block was
+    (``model.blocks[i] = builtin_checkpoint(model.blocks[i])``), or call it once."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *inputs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *inputs, use_reentrant=False)

@@ -33,6 +33,7 @@ from labkit.check import mismatch
 from labkit.comm import CommTracer
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.models import GPT, GPTConfig
+from labkit.oracles import builtin_checkpoint
 
 DROPOUT, STEPS, MICRO = 0.2, 3, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
@@ -43,16 +44,6 @@ TASKS = ("recompute.checkpoint", "recompute.selective", "recompute.offload", "re
 def batch(rank: int, step: int, size: int = 2, seq: int = 16, vocab: int = 32):
     idx = torch.randint(0, vocab, (size, seq + 1), generator=torch.Generator().manual_seed(100 * rank + step))
     return idx[:, :-1], idx[:, 1:]
-
-
-class TorchCheckpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def training(model, rank, forward=None):
@@ -87,7 +78,7 @@ def check_recompute() -> dict:
     wrapped = checkpoint_every(ours, 2)
     theirs = make()
     for i in wrapped:
-        theirs.blocks[i] = TorchCheckpointed(theirs.blocks[i])
+        theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
     ours_run = training(ours, rank)
     result = dict(ours_vs_none=same(ours_run, plain), ours_vs_torch=same(ours_run, training(theirs, rank)),
                   selective_vs_none=same(training(make(selective=True), rank), plain))
@@ -196,7 +187,7 @@ def timings() -> list:
         models = {"none": memory_gpt(config, 0.1), "yours": memory_gpt(config, 0.1), "torch": memory_gpt(config, 0.1)}
         checkpoint_every(models["yours"], 1)
         for i, block in enumerate(models["torch"].blocks):
-            models["torch"].blocks[i] = TorchCheckpointed(block)
+            models["torch"].blocks[i] = builtin_checkpoint(block)
         x, y = batch(0, 0, 4, seq)
         seconds = {name: [] for name in models}
         for _ in range(3):

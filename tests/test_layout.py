@@ -103,7 +103,8 @@ def test_every_chapter_has_its_files():
 # listed: tests also call it to compare layouts. tests/mutants use built-ins on purpose. The
 # lab notebooks are not scanned: some still set the built-ins up in their cells.)
 BUILTINS = ("torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
-            "torch.distributed.checkpoint", "torch.distributed.algorithms", "torch.nn.parallel")
+            "torch.distributed.checkpoint", "torch.distributed.algorithms", "torch.nn.parallel",
+            "torch.utils.checkpoint")
 
 
 def dotted(node) -> str | None:

@@ -33,6 +33,7 @@ from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 from labkit.memory import SavedBytes
 from labkit.models import GPTConfig
+from labkit.oracles import builtin_checkpoint
 
 DROPOUT, STEPS = 0.2, 5
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
@@ -77,16 +78,6 @@ def assert_same_training(got, want, what):
             assert_close(g, r, f"{what}, step {step}: gradient of parameter {i}")
 
 
-class TorchCheckpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.block, x, use_reentrant=False)
-
-
 # ----------------------------------------------------------------------------- checkpoint
 
 def checkpoint_on_rank() -> None:
@@ -124,7 +115,7 @@ def checkpoint_on_rank() -> None:
         assert_same_training(ours, plain, what + " vs no checkpointing (dropout on)")
         theirs = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
         for i in want:
-            theirs.blocks[i] = TorchCheckpointed(theirs.blocks[i])
+            theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
         assert_same_training(ours, train(theirs, rank), what + " vs torch.utils.checkpoint (non-reentrant)")
     # bytes saved per block: the wrapped ones keep their input only
     for s, b, h, a in SHAPES:

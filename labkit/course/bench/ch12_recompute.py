@@ -9,19 +9,10 @@ from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
 from labkit.memory import PeakMemory
 from labkit.models import GPTConfig
+from labkit.oracles import builtin_checkpoint
 from labkit.timing import interleaved_medians
 
 RECOMPUTE_BENCH = dict(layers=4, hidden=128, heads=4, seq=256, batch=4, dropout=0.1)
-
-
-class _TorchCheckpointed(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        from torch.utils.checkpoint import checkpoint
-        return checkpoint(self.block, x, use_reentrant=False)
 
 
 def _saved_bytes(model, x, y) -> int:
@@ -57,7 +48,7 @@ def _ours_vs_torch(repeats: int) -> dict:
     ours, theirs = memory_gpt(config, b["dropout"]), memory_gpt(config, b["dropout"])
     checkpoint_every(ours, 1)
     for i, block in enumerate(theirs.blocks):
-        theirs.blocks[i] = _TorchCheckpointed(block)
+        theirs.blocks[i] = builtin_checkpoint(block)
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, 64, (b["batch"], b["seq"] + 1), generator=gen)
     x, y = idx[:, :-1], idx[:, 1:]
