@@ -9,7 +9,8 @@ the built-in side is written once. An exercise module never imports this (see
     01, 02   DistributedDataParallel                      builtin_ddp
     03       ZeroRedundancyOptimizer                      builtin_zero
     04       fully_shard (FSDP2), MixedPrecisionPolicy    builtin_fully_shard, mixed_precision_policy
-    05       parallelize_module (TP plan)                 builtin_tensor_parallel
+    05       parallelize_module (TP plan), loss_parallel  builtin_tensor_parallel, builtin_block_tensor_parallel,
+                                                          loss_parallel
     06       PipelineStage + Schedule*                    builtin_pipeline
     07       parallelize_module (SP plan)                 builtin_sequence_parallel
     08       init_device_mesh, fully_shard x TP           device_mesh, builtin_2d
@@ -142,29 +143,52 @@ def cpu_offload_policy(pin_memory: bool | None = None):
 TP_BENCH_GPT = dict(vocab_size=512, block_size=64, n_layer=4, n_head=8, n_embd=256, tie_weights=False)
 
 
+def _reorder_heads(block, n: int) -> None:
+    """c_attn's rows as [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...]: torch's contiguous split then gives
+    each of the n ranks its own heads, as labkit.tp's split does."""
+    with torch.no_grad():
+        for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
+            p.copy_(heads_in_rank_order(p, n))
+
+
+def _block_plan(prefix: str = "") -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {f"{prefix}attn.c_attn": ColwiseParallel(), f"{prefix}attn.c_proj": RowwiseParallel(),
+            f"{prefix}mlp.c_fc": ColwiseParallel(), f"{prefix}mlp.c_proj": RowwiseParallel()}
+
+
 def builtin_tensor_parallel(model, mesh):
     """``model`` (a labkit GPT) split by torch's ``parallelize_module`` exactly as
-    ``labkit.tp.tensor_parallel`` splits it. c_attn stacks Q, K and V; its rows are first
-    reordered to [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...] so that torch's contiguous split gives each
-    rank its own heads."""
+    ``labkit.tp.tensor_parallel`` splits it (c_attn's rows first reordered so that each rank
+    gets its own heads). Its loss is a DTensor: compute it and backward under ``loss_parallel()``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    n = mesh.size()
-    with torch.no_grad():
-        for block in model.blocks:
-            for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
-                p.copy_(heads_in_rank_order(p, n))
     plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
             "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
-                 f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()}
+    for i, block in enumerate(model.blocks):
+        _reorder_heads(block, mesh.size())
+        plan |= _block_plan(f"blocks.{i}.")
     return parallelize_module(model, mesh, plan)
+
+
+def builtin_block_tensor_parallel(block, mesh):
+    """One labkit ``Block`` split by ``parallelize_module`` as chapter 05 splits it: the
+    all-reduce baseline that sequence parallelism (chapter 07) improves on."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    _reorder_heads(block, mesh.size())
+    return parallelize_module(block, mesh, _block_plan())
+
+
+def loss_parallel():
+    """torch's ``loss_parallel()`` context: the cross-entropy of a vocabulary-sharded DTensor
+    (the lm_head of ``builtin_tensor_parallel``) without gathering the logits; run the loss's
+    forward and backward inside it."""
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+    return torch_loss_parallel()
 
 
 # One block per rank, 256 channels, micro-batches of 4 sequences of 64 tokens: each action
@@ -212,10 +236,7 @@ def builtin_sequence_parallel(block, mesh):
         parallelize_module,
     )
 
-    n = mesh.size()
-    with torch.no_grad():  # rank r's contiguous slice of c_attn must hold its own heads' Q, K, V
-        for p in (block.attn.c_attn.weight, block.attn.c_attn.bias):
-            p.copy_(heads_in_rank_order(p, n))
+    _reorder_heads(block, mesh.size())
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan = {"ln_1": SequenceParallel(), "ln_2": SequenceParallel(), "attn": gather, "mlp": gather,
             "attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=Shard(1)),

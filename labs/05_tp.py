@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.oracles import builtin_tensor_parallel, device_mesh
+from labkit.oracles import builtin_tensor_parallel, device_mesh, loss_parallel
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.memory import param_bytes
@@ -67,7 +67,6 @@ def mesh(device):
 
 
 def builtin_loss(model, x, y):
-    from torch.distributed.tensor.parallel import loss_parallel
     with loss_parallel():   # forward and backward of the vocabulary-sharded loss inside it
         loss = model(x, y)[1]
         loss.backward()

@@ -10,6 +10,7 @@ imports has no cycle outside the course machinery.
 """
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -98,13 +99,13 @@ def test_every_chapter_has_its_files():
             assert list((root / folder).glob(f"{number}_*{suffix}")), f"{folder}/{number}_*{suffix} missing"
 
 
-# PyTorch's implementations the oracles set up; the comparison code (tests, labs, bench) asks
-# labkit.oracles for them instead of writing the set-up again. (init_device_mesh is not
-# listed: tests also call it to compare layouts. tests/mutants use built-ins on purpose. The
-# lab notebooks are not scanned: some still set the built-ins up in their cells.)
+# PyTorch's implementations the oracles set up; the comparison code (tests, labs and their
+# notebooks, bench) asks labkit.oracles for them instead of writing the set-up again.
+# (init_device_mesh is not listed: tests also call it to compare layouts. tests/mutants use
+# built-ins on purpose; the chapters' notebooks show the built-ins themselves.)
 BUILTINS = ("torch.distributed.fsdp", "torch.distributed.optim", "torch.distributed.pipelining",
             "torch.distributed.checkpoint", "torch.distributed.algorithms", "torch.nn.parallel",
-            "torch.utils.checkpoint")
+            "torch.utils.checkpoint", "torch.distributed.tensor.parallel")
 
 
 def dotted(node) -> str | None:
@@ -116,13 +117,22 @@ def dotted(node) -> str | None:
     return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
 
 
+def python_source(path: Path) -> str:
+    """A Python file's text, or a notebook's code cells (IPython's % and ! lines left out)."""
+    if path.suffix != ".ipynb":
+        return path.read_text()
+    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    lines = [line for c in cells for line in "".join(c["source"]).splitlines() + [""]]
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
+
+
 def test_builtins_are_set_up_only_in_the_oracles():
     root = PACKAGE.parent
     files = [*root.glob("labs/*.py"), *(PACKAGE / "course" / "bench").glob("*.py"),
-             *root.glob("tests/grading/**/*.py"), *root.glob("tests/test_*.py")]
+             *root.glob("tests/grading/**/*.py"), *root.glob("tests/test_*.py"), *root.glob("labs/*.ipynb")]
     found = []
     for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(python_source(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else \
                 [dotted(node) or ""] if isinstance(node, ast.Attribute) else []

@@ -300,11 +300,9 @@ def test_3d_training_matches_one_process(dp, tp, pp):
 def builtin_2d_on_rank(dp: int, tp: int):
     """torch's 2-D composition of the same (untied) GPT: parallelize_module on the tp
     sub-mesh, then fully_shard on the dp sub-mesh; the loss curve."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from labkit.mesh import RankGrid, dp_slice, train_2d
     from labkit.models import GPT
-    from labkit.oracles import builtin_2d
+    from labkit.oracles import builtin_2d, loss_parallel
     torch.set_num_threads(1)
     model = builtin_2d(GPT(config(False)).double(), dp, tp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

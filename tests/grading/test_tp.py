@@ -508,26 +508,10 @@ def test_bad_shapes_are_refused_before_any_communication():
 
 def builtin_on_rank():
     """The same (untied) GPT parallelised by torch's parallelize_module; its loss curve."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
     from labkit.models import GPT
-    from labkit.tp import shard
-    n, rank = setup()
-    model = GPT(config(tie_weights=False)).double()
-    with torch.no_grad():  # c_attn's rows as [Q_0 K_0 V_0 | Q_1 K_1 V_1 | ...], so that torch's
-        for block in model.blocks:  # contiguous split gives each rank its own heads
-            w, b = block.attn.c_attn.weight, block.attn.c_attn.bias
-            w.copy_(torch.cat([shard(w, 0, r, n, parts=3) for r in range(n)]))
-            b.copy_(torch.cat([shard(b, 0, r, n, parts=3) for r in range(n)]))
-    mesh = init_device_mesh("cpu", (n,))
-    plan = {"wte": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(model.blocks)):
-        plan |= {f"blocks.{i}.attn.c_attn": ColwiseParallel(), f"blocks.{i}.attn.c_proj": RowwiseParallel(),
-                 f"blocks.{i}.mlp.c_fc": ColwiseParallel(), f"blocks.{i}.mlp.c_proj": RowwiseParallel()}
-    parallelize_module(model, mesh, plan)
+    from labkit.oracles import builtin_tensor_parallel, device_mesh, loss_parallel
+    setup()
+    model = builtin_tensor_parallel(GPT(config(tie_weights=False)).double(), device_mesh())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):

@@ -7,15 +7,13 @@ import torch.distributed as dist
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
-from labkit.oracles import TP_BENCH_GPT, builtin_tensor_parallel, device_mesh
+from labkit.oracles import TP_BENCH_GPT, builtin_tensor_parallel, device_mesh, loss_parallel
 from labkit.timing import interleaved_medians
 
 
 def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
     """One training step (forward, backward, AdamW) of the GPT split by labkit.tp and by
     parallelize_module (+ loss_parallel), interleaved; then one traced step each."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from labkit.comm import CommTracer
     from labkit.data import markov_tokens
     from labkit.memory import param_bytes

@@ -6,15 +6,13 @@ import torch
 
 from labkit.course.bench.runner import BenchRow, row
 from labkit.launch import launch
-from labkit.oracles import MESH_BENCH_GPT, builtin_2d
+from labkit.oracles import MESH_BENCH_GPT, builtin_2d, loss_parallel
 from labkit.timing import interleaved_medians
 
 
 def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     """One training step of the GPT on a dp x tp mesh: labkit.mesh.parallelize_2d (the
     course's TP + FSDP) vs fully_shard on the dp sub-mesh + parallelize_module on tp."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from labkit.comm import CommTracer
     from labkit.data import markov_tokens
     from labkit.mesh import RankGrid, dp_slice, parallelize_2d
