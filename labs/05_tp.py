@@ -28,11 +28,11 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.oracles import builtin_tensor_parallel, device_mesh, loss_parallel
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.data import markov_tokens
 from labkit.memory import param_bytes
 from labkit.models import GPT, GPTConfig
+from labkit.oracles import builtin_tensor_parallel, device_mesh, loss_parallel
 from labkit.timing import interleaved_medians
 
 SHAPE = dict(vocab_size=48, block_size=8, n_layer=2, n_head=12, n_embd=48)   # the grader's GPT

@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench.runner import BenchRow, row
+from labkit.course.bench.runner import BenchRow, race_training_steps, row
 from labkit.launch import launch
-from labkit.oracles import TP_BENCH_GPT, builtin_tensor_parallel, device_mesh, loss_parallel
-from labkit.timing import interleaved_medians
+from labkit.oracles import (
+    TP_BENCH_GPT,
+    builtin_tensor_parallel,
+    device_mesh,
+    loss_parallel,
+)
 
 
 def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
     """One training step (forward, backward, AdamW) of the GPT split by labkit.tp and by
     parallelize_module (+ loss_parallel), interleaved; then one traced step each."""
-    from labkit.comm import CommTracer
     from labkit.data import markov_tokens
     from labkit.memory import param_bytes
     from labkit.models import GPT, GPTConfig
@@ -27,24 +30,9 @@ def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
               "builtin": torch.optim.AdamW(builtin.parameters(), lr=1e-3)}
     data = markov_tokens(batch, config.block_size, config.vocab_size, seed=0)  # the same on every rank
 
-    def ours_step(b):
-        ours(*b)[1].backward()
-        optims["ours"].step()
-        optims["ours"].zero_grad(set_to_none=True)
-
-    def builtin_step(b):
-        with loss_parallel():
-            builtin(*b)[1].backward()
-        optims["builtin"].step()
-        optims["builtin"].zero_grad(set_to_none=True)
-
-    steps = {"ours": ours_step, "builtin": builtin_step}
-    medians = interleaved_medians(steps, lambda: data, repeats, warmup=3)
-    sent = {}
-    for name, step in steps.items():
-        with CommTracer() as tracer:
-            step(data)
-        sent[name] = tracer.sent_bytes()
+    medians, tracers = race_training_steps({"ours": ours, "builtin": builtin}, optims, data, repeats,
+                                           loss_contexts={"builtin": loss_parallel})
+    sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
     n, L = dist.get_world_size(), config.n_layer
     activations = batch * config.block_size * config.n_embd * 4      # B*T*H float32 bytes
     reduced = 2 * (1 + 2 * L) * activations + 3 * batch * config.block_size * 4

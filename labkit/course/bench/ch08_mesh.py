@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from labkit.course.bench.runner import BenchRow, row
+from labkit.course.bench.runner import BenchRow, race_training_steps, row
 from labkit.launch import launch
 from labkit.oracles import MESH_BENCH_GPT, builtin_2d, loss_parallel
-from labkit.timing import interleaved_medians
 
 
 def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     """One training step of the GPT on a dp x tp mesh: labkit.mesh.parallelize_2d (the
     course's TP + FSDP) vs fully_shard on the dp sub-mesh + parallelize_module on tp."""
-    from labkit.comm import CommTracer
     from labkit.data import markov_tokens
     from labkit.mesh import RankGrid, dp_slice, parallelize_2d
     from labkit.models import GPT, GPTConfig
@@ -26,24 +24,9 @@ def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     x, y = markov_tokens(batch * dp, config.block_size, config.vocab_size, seed=0)
     data = dp_slice(x, grid), dp_slice(y, grid)
 
-    def ours_step(b):
-        ours(*b)[1].backward()
-        optims["ours"].step()
-        optims["ours"].zero_grad(set_to_none=True)
-
-    def builtin_step(b):
-        with loss_parallel():
-            builtin(*b)[1].backward()
-        optims["builtin"].step()
-        optims["builtin"].zero_grad(set_to_none=True)
-
-    steps = {"ours": ours_step, "builtin": builtin_step}
-    medians = interleaved_medians(steps, lambda: data, repeats, warmup=3)
-    sent = {}
-    for name, step in steps.items():
-        with CommTracer() as tracer:
-            step(data)
-        sent[name] = tracer.sent_bytes()
+    medians, tracers = race_training_steps({"ours": ours, "builtin": builtin}, optims, data, repeats,
+                                           loss_contexts={"builtin": loss_parallel})
+    sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
     from labkit.fsdp import step_bytes
     tokens = batch * config.block_size
     tp_reduced = 2 * (1 + 2 * config.n_layer) * tokens * config.n_embd * 4 + 3 * tokens * 4

@@ -11,6 +11,7 @@ Chapters add rows in ``labkit/course/bench/chNN_<module>.py`` by decorating a fu
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -52,14 +53,20 @@ def rank_batch(config, batch: int):
     return x[rank * batch:(rank + 1) * batch], y[rank * batch:(rank + 1) * batch]
 
 
-def race_training_steps(models: dict, optimizers: dict, batch, repeats: int, warmup: int = 3):
+def race_training_steps(models: dict, optimizers: dict, batch, repeats: int, warmup: int = 3,
+                        loss_contexts: dict | None = None):
     """On every rank: a full step (forward, backward, optimizer step) of each model, timed
-    interleaved; then one traced step each. Returns (medians, {name: CommTracer})."""
+    interleaved; then one traced step each. ``loss_contexts[name]``: a function returning the
+    context its forward and backward run in (torch's TP loss needs ``loss_parallel()``).
+    Returns (medians, {name: CommTracer})."""
     from labkit.comm import CommTracer
+
+    contexts = loss_contexts or {}
 
     def stepper(name):
         def step(b):
-            models[name](*b)[1].backward()
+            with contexts.get(name, contextlib.nullcontext)():
+                models[name](*b)[1].backward()
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
         return step
