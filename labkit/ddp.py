@@ -19,11 +19,21 @@ gradient: the average over ranks. DDP gets there with four moves:
    for the outstanding all-reduces, so when ``loss.backward()`` returns every ``.grad`` is
    the average, exactly as with ``torch.nn.parallel.DistributedDataParallel``.
 
+Communication hooks. What "launch a bucket" means is given code, ``DDP._communicate``: by
+default it divides the bucket by the group size and starts an async all-reduce, which is
+what the built-in's default hook does. ``register_comm_hook(state, hook)`` replaces that, as
+in the built-in: ``hook(state, bucket) -> torch.futures.Future[Tensor]`` gets a
+``BucketView`` (``index()``, ``is_last()``, ``buffer()``, ``parameters()``, ``gradients()``,
+the methods of torch's ``dist.GradBucket``), must leave the average in the future's value,
+and the value lands in the bucket's buffer when the launch is waited on. So the same hook
+(chapter 11's fp16 or PowerSGD, or torch's own) runs on this DDP and on the built-in.
+
 ``no_sync()`` skips 2-4 for gradient accumulation: gradients of several micro-batches add up
 locally in ``.grad``, and the first backward outside it averages the accumulated sum.
 
 Choosing the mode: ``DDP(module, bucket_cap_mb=25.0)`` buckets (the default, like the
-built-in); ``bucket_cap_mb=None`` is the per-parameter mode: one all-reduce per gradient.
+built-in); ``bucket_cap_mb=None`` is the per-parameter mode: one all-reduce per gradient
+(no buckets, so no communication hooks).
 
 Unused parameters. A trainable parameter that gets no gradient would leave its bucket
 waiting forever. As in the built-in, that is an error unless ``find_unused_parameters=True``;
@@ -41,8 +51,8 @@ Tasks (run ``labkit grade ddp``; tests in ``tests/grading/test_ddp.py``):
     ddp.per_parameter   DDP._all_reduce_parameter, DDP._finish_per_parameter
     ddp.bucketed        assign_buckets, DDP._add_to_bucket, DDP._finish_buckets
     ddp.no_sync         DDP.no_sync
-The rest of ``DDP`` (hook registration, the end-of-backward callback, unused parameters) is
-given: read it first, it calls your methods.
+The rest of ``DDP`` (hook registration, ``_communicate`` and communication hooks, the
+end-of-backward callback, unused parameters) is given: read it first, it calls your methods.
 """
 
 from __future__ import annotations
@@ -113,17 +123,64 @@ class Bucket:
     params: list[nn.Parameter]     # in bucket order (reverse registration)
     slots: list[torch.Tensor]      # views of ``buffer``, one per parameter, shaped like it
     buffer: torch.Tensor           # flat gradients of all ``params``: one all-reduce per step
+    index: int = 0                 # its place in the launch order
     waiting: int = 0               # gradients not yet copied in during this backward
-    work: dist.Work | None = None  # the all-reduce in flight, once launched
+    work: object = None            # once launched: what ``DDP._communicate`` returned (has .wait())
 
 
-def make_bucket(params: list[nn.Parameter]) -> Bucket:
+def make_bucket(params: list[nn.Parameter], index: int = 0) -> Bucket:
     buffer = params[0].new_zeros(sum(p.numel() for p in params))
     slots, offset = [], 0
     for p in params:  # made once: slicing a view per gradient per step would cost Python time
         slots.append(buffer[offset:offset + p.numel()].view_as(p))
         offset += p.numel()
-    return Bucket(params, slots, buffer, waiting=len(params))
+    return Bucket(params, slots, buffer, index, waiting=len(params))
+
+
+class BucketView:
+    """What a communication hook sees of a bucket: the methods of torch's ``dist.GradBucket``
+    (and of chapter 11's ``FlatBucket``). ``gradients()`` are views of ``buffer()``."""
+
+    def __init__(self, bucket: Bucket, last: bool):
+        self._bucket, self._last = bucket, last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._bucket.buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._bucket.slots
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self._bucket.params
+
+
+class HookResult:
+    """A hook's future, waited like a ``dist.Work``: ``wait()`` puts its value in the buffer."""
+
+    def __init__(self, future: torch.futures.Future, buffer: torch.Tensor, name: str):
+        self.future, self.buffer, self.name = future, buffer, name
+
+    def wait(self) -> None:
+        value = self.future.wait()
+        if isinstance(value, (list, tuple)) and len(value) == 1:  # e.g. a bare all_reduce's future
+            value = value[0]
+        if not isinstance(value, torch.Tensor) or value.numel() != self.buffer.numel():
+            raise RuntimeError(f"DDP: the communication hook {self.name}'s future must hold one tensor of the "
+                               f"bucket's {self.buffer.numel()} elements, got {_describe(value)}")
+        if value.data_ptr() != self.buffer.data_ptr():  # a hook may return a new tensor
+            self.buffer.copy_(value.view_as(self.buffer))
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of {value.numel()} elements"
+    return type(value).__name__
 
 
 class DDP(nn.Module):
@@ -158,7 +215,8 @@ class DDP(nn.Module):
         self.buckets: list[Bucket] | None = None
         self.bucket_of: dict[nn.Parameter, tuple[Bucket, torch.Tensor]] = {}  # param -> (bucket, slot)
         if bucket_cap_mb is not None:
-            self.buckets = [make_bucket(ps) for ps in assign_buckets(self.params, int(bucket_cap_mb * MB))]
+            self.buckets = [make_bucket(ps, i) for i, ps in
+                            enumerate(assign_buckets(self.params, int(bucket_cap_mb * MB)))]
             for bucket in self.buckets:
                 for p, slot in zip(bucket.params, bucket.slots):
                     self.bucket_of[p] = (bucket, slot)
@@ -169,6 +227,8 @@ class DDP(nn.Module):
         self._ready: set[nn.Parameter] = set()  # hooks fired in this (synchronised) backward
         self._used: set[nn.Parameter] = set()   # got a gradient since the last synchronisation
         self._callback_queued = False
+        self._comm_hook: tuple | None = None  # (state, hook) once registered
+        self._backward_seen = False     # a hook must be registered before the first backward
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -181,6 +241,21 @@ class DDP(nn.Module):
         if self._sync_now:
             self._start_step()
         return self.module(*inputs, **kwargs)
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Run ``hook(state, bucket) -> torch.futures.Future[Tensor]`` on every bucket instead
+        of the default divide-and-all-reduce; torch's rules: once, before the first backward,
+        and (here) bucketed mode only. The hook divides by the group size itself."""
+        if self.buckets is None:
+            raise RuntimeError("DDP.register_comm_hook: communication hooks run on buckets; this DDP is in "
+                               "per-parameter mode (bucket_cap_mb=None): pass a bucket_cap_mb")
+        if not callable(hook):
+            raise TypeError(f"DDP.register_comm_hook: the hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("DDP.register_comm_hook can only be called once")
+        if self._backward_seen:
+            raise RuntimeError("DDP.register_comm_hook must be called before the first backward")
+        self._comm_hook = (state, hook)
 
     def _start_step(self) -> None:
         """Forget the last backward's bookkeeping (also after an exception cut one short)."""
@@ -196,6 +271,7 @@ class DDP(nn.Module):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         """The hook: autograd has finished ``param.grad`` for this backward."""
         self._used.add(param)
+        self._backward_seen = True
         if not self._sync_now:
             return  # inside no_sync(): the gradient stays local and accumulates in .grad
         if not self._callback_queued:
@@ -231,19 +307,34 @@ class DDP(nn.Module):
         buffer that holds this parameter's gradient. Once a bucket has all its
         gradients (``waiting`` reaches 0), it may be launched, but only in index order:
         launch ``self.buckets[self._next_bucket]`` while it is complete, then move on.
-        Launching = divide the buffer by the world size, start an async all-reduce of it,
-        keep the work in ``bucket.work``.
+        Launching = ``self._communicate(bucket)`` (given: divide and async all-reduce, or the
+        registered hook); keep what it returns in ``bucket.work``.
         """
-        # BEGIN SOLUTION ddp.bucketed: copy the gradient into its slot; launch complete buckets strictly in index order (pre-divided, async)
+        # BEGIN SOLUTION ddp.bucketed: copy the gradient into its slot; launch complete buckets strictly in index order with self._communicate
         bucket, slot = self.bucket_of[param]
         slot.copy_(param.grad)
         bucket.waiting -= 1
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].waiting == 0:
             ready = self.buckets[self._next_bucket]
-            ready.buffer.div_(self.world_size)
-            ready.work = dist.all_reduce(ready.buffer, group=self.group, async_op=True)
+            ready.work = self._communicate(ready)
             self._next_bucket += 1
         # END SOLUTION
+
+    def _communicate(self, bucket: Bucket):
+        """Start averaging a complete bucket; returns a handle whose ``wait()`` leaves the
+        average in ``bucket.buffer``. Without a hook, torch's default hook: divide by the group
+        size (the sum of the quotients is the average), async all-reduce. With one, the hook
+        on a ``BucketView``; its future's value is copied into the buffer when waited on."""
+        if self._comm_hook is None:
+            bucket.buffer.div_(self.world_size)
+            return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        state, hook = self._comm_hook
+        name = getattr(hook, "__qualname__", repr(hook))
+        future = hook(state, BucketView(bucket, last=bucket.index == len(self.buckets) - 1))
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future, or what its .then() returns
+            raise TypeError(f"DDP: the communication hook {name} must return a torch.futures.Future, "
+                            f"got {type(future).__name__}")
+        return HookResult(future, bucket.buffer, name)
 
     # ------------------------------------------------------------------ end of backward
 
@@ -307,8 +398,9 @@ class DDP(nn.Module):
         # END SOLUTION
 
     def _finish_buckets(self) -> None:
-        """Bucketed mode: wait for each bucket's all-reduce and copy its slots into the grads."""
-        # BEGIN SOLUTION ddp.bucketed: wait for each bucket's all-reduce, then copy its slots back into the parameters' .grad
+        """Bucketed mode: wait for each bucket's launch (``bucket.work``), then copy its slots
+        (the average, once waited on) into the parameters' ``.grad``."""
+        # BEGIN SOLUTION ddp.bucketed: wait for each bucket's launch, then copy its slots back into the parameters' .grad
         for bucket in self.buckets:
             bucket.work.wait()
             for p, slot in zip(bucket.params, bucket.slots):

@@ -14,7 +14,9 @@ On every rank (``labkit/compress.py``), a small MLP under ``torch.nn.parallel.Di
   N x k x (8 + 4) B for top-k (every rank's k int64 indices and k fp32 values, all-gathered);
 * your hierarchical all-reduce on every layout nodes x ranks-per-node of the world: equal to
   ``dist.all_reduce``, and the ring bytes on each link class (inside a node, across nodes) against
-  ``hierarchical_bytes``, beside a flat ring's.
+  ``hierarchical_bytes``, beside a flat ring's;
+* the same hooks on your chapter-02 ``labkit.ddp.DDP`` (its ``register_comm_hook``, one bucket):
+  fp16 and PowerSGD against torch's hooks on torch's DDP.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.check import mismatch
+from labkit.check import mismatch, tolerance
 from labkit.comm import CommTracer, wire_bytes
 from labkit.course.labscript import lab_arguments, run_lab
 
@@ -44,10 +46,11 @@ def batch(rank: int, step: int, dtype):
     return torch.randn(16, 64, generator=gen).to(dtype), torch.randn(16, 10, generator=gen).to(dtype)
 
 
-def train(dtype, state=None, hook=None) -> list[torch.Tensor]:
-    """Parameters after STEPS SGD steps of DDP with ``hook`` (None: torch's exact all-reduce)."""
+def train(dtype, state=None, hook=None, wrap=None) -> list[torch.Tensor]:
+    """Parameters after STEPS SGD steps of DDP with ``hook`` (None: torch's exact all-reduce);
+    ``wrap``: the DDP class (default torch's)."""
     from labkit.oracles import builtin_ddp
-    model = builtin_ddp(mlp(dtype))
+    model = (wrap or builtin_ddp)(mlp(dtype))
     if hook is not None:
         model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -164,7 +167,8 @@ def main() -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     result = {"backend": dist.get_backend()}
-    for name, check in (("hooks", check_hooks), ("bytes", check_bytes), ("hierarchical", check_hierarchical)):
+    for name, check in (("hooks", check_hooks), ("bytes", check_bytes), ("hierarchical", check_hierarchical),
+                        ("chapter02", check_chapter02_ddp)):
         try:
             result[name] = check()
         except NotImplementedError as exc:  # a stub raises on every rank alike
@@ -175,7 +179,8 @@ def main() -> dict:
 def report(results: list[dict]) -> bool:
     n = len(results)
     print(f"Lab 11: communication hooks and hierarchical all-reduce on {n} rank(s), backend {results[0]['backend']}\n")
-    return all([report_hooks(results), report_bytes(results), report_hierarchical(results)])
+    return all([report_hooks(results), report_bytes(results), report_hierarchical(results),
+                report_chapter02_ddp(results)])
 
 
 def report_hooks(results) -> bool:
@@ -224,6 +229,43 @@ def report_hierarchical(results) -> bool:
     print(f"{'ok  ' if equal else 'FAIL'} equal to dist.all_reduce on every layout and rank")
     print(f"{'ok  ' if formula else 'FAIL'} bytes per link class equal hierarchical_bytes on every layout and rank")
     return equal and formula
+
+
+
+# ----------------------------------------------------------------------------- hooks on your chapter-02 DDP
+
+
+def check_chapter02_ddp() -> dict:
+    """Your fp16 and PowerSGD hooks on your chapter-02 DDP vs torch's hooks on torch's DDP. Both
+    hold the MLP in one bucket (25 MB cap; torch's powerSGD_hook hangs on gloo with several)."""
+    from labkit.compress import PowerSGDState, fp16_compress_hook, powersgd_hook
+    from labkit.ddp import DDP
+    from labkit.oracles import builtin_fp16_hook, builtin_powersgd
+    settings = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, random_seed=0)
+    fp16 = (train(torch.float32, None, fp16_compress_hook, wrap=DDP), train(torch.float32, None, builtin_fp16_hook()))
+    psgd = (train(torch.float64, PowerSGDState(None, **settings), powersgd_hook, wrap=DDP),
+            train(torch.float64, *builtin_powersgd(**settings)))
+    # fp16: the two DDPs lay the bucket out in opposite orders, so from 3 ranks on gloo may add
+    # the fp16 terms of an element in another order: labkit.check's float16 tolerance.
+    return dict(distance={"fp16": distance(*fp16), "PowerSGD r=2": distance(*psgd)},
+                fp16_close=all(mismatch(a, b, *tolerance(torch.float16)) is None for a, b in zip(*fp16)),
+                powersgd_close=all(mismatch(a, b, 1e-9, 1e-9) is None for a, b in zip(*psgd)))
+
+
+def report_chapter02_ddp(results) -> bool:
+    if "chapter02_missing" in results[0]:
+        print(f"hooks on your chapter-02 DDP: not implemented yet: {results[0]['chapter02_missing']}\n")
+        return False
+    print("the same hooks on your chapter-02 DDP (labkit.ddp.DDP) vs torch's hooks on torch's DDP; "
+          "||w_yours - w_torch|| / ||w_torch|| after 5 steps:")
+    for name, d in results[0]["chapter02"]["distance"].items():
+        print(f"  {name:14s} {d:.2e}")
+    checks = {"fp16: equal within fp16's tolerance (labkit.check), every rank": all(r["chapter02"]["fp16_close"] for r in results),
+              "PowerSGD: equal within 1e-9, every rank": all(r["chapter02"]["powersgd_close"] for r in results)}
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    print()
+    return all(checks.values())
 
 
 if __name__ == "__main__":

@@ -420,3 +420,83 @@ def test_topk(world_size):
 @pytest.mark.parametrize("world_size", [1, 4, 6])
 def test_hierarchical(world_size):
     run_graded("compress.hierarchical", hierarchical_checks, world_size, timeout=120)
+
+
+# ----------------------------------------------------------------------------- hooks on the chapter-02 DDP
+# Issue 23's "same hook on both DDPs": your hook on your chapter-02 ``labkit.ddp.DDP`` (through
+# its given ``register_comm_hook``) against torch's hook on torch's DDP, 5 SGD steps (lr 0.1),
+# N = 2 and 3, on every rank after every step. One bucket each (25 MB cap): torch rebuilds its
+# buckets after the first step, and its powerSGD_hook hangs on gloo with several.
+# * fp16 (float32 model): the gradients travelled in fp16, and the two DDPs lay the bucket out
+#   in opposite orders, so gloo's ring adds the ranks' fp16 terms in another order for some
+#   elements (at N = 3 one fp16 rounding apart; equal at N = 2): gradients within labkit.check's
+#   float16 tolerance (rtol 8e-3, atol 1e-5), parameters within float32's (1e-5, 1e-6) plus
+#   the sum over the steps so far of lr x that gradient tolerance.
+# * PowerSGD (float64 model, r = 2, 2 warm-up steps, seed 0): gradients and parameters within
+#   1e-9, as in test_powersgd_vs_torch.
+# * Your DDP's traced backward equals the hook's formula (fp16: one all-reduce of numel x 2
+#   bytes; PowerSGD: the whole bucket while warming up, then the uncompressed elements, P and
+#   Q), and so does torch's for fp16. Torch's PowerSGD issues its P and Q all-reduces from
+#   future callbacks on gloo's threads, which the tracer does not see: its trace is not checked.
+# Uses your ddp.bucketed too: grade ddp first.
+
+def hooks_on_chapter02_ddp(name: str) -> None:
+    from labkit.check import tolerance
+    from labkit.compress import PowerSGDState, fp16_compress_hook, powersgd_elements, powersgd_hook
+    from labkit.ddp import DDP
+    from labkit.oracles import builtin_ddp, builtin_fp16_hook, builtin_powersgd
+    rank, n, lr = dist.get_rank(), dist.get_world_size(), 0.1
+    if name == "fp16":
+        task_id, dtype = "compress.fp16", torch.float32
+        (grad_rtol, grad_atol), (rtol, atol) = tolerance(torch.float16), tolerance(torch.float32)
+        hooks = {"yours": (None, fp16_compress_hook), "torch's": (None, builtin_fp16_hook())}
+    else:
+        settings = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=2, random_seed=0)
+        task_id, dtype, (grad_rtol, grad_atol), (rtol, atol) = "compress.powersgd", torch.float64, (1e-9, 1e-9), (1e-9, 1e-9)
+        hooks = {"yours": (PowerSGDState(None, **settings), powersgd_hook), "torch's": builtin_powersgd(**settings)}
+    models = {"yours": DDP(mlp(dtype), bucket_cap_mb=25), "torch's": builtin_ddp(mlp(dtype), bucket_cap_mb=25)}
+    optims = {}
+    for who, model in models.items():
+        model.register_comm_hook(*hooks[who])
+        optims[who] = torch.optim.SGD(model.parameters(), lr=lr)
+    shapes = [tuple(p.shape) for p in models["yours"].parameters()]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    slack = [0.0] * len(shapes)  # per parameter: lr x the gradient tolerance, summed over the steps
+    for step in range(5):
+        x, y = batch(rank, step, dtype)
+        if name == "fp16":
+            expected = [Op("all_reduce", numel * 2)]
+        elif step < 2:
+            expected = [Op("all_reduce", numel * 8)]
+        else:
+            count = powersgd_elements(shapes, 2)
+            expected = [Op("all_reduce", count[key] * 8) for key in ("uncompressed", "p", "q")]
+        what = f"{task_id}: rank {rank} of {n}, step {step + 1}"
+        for who, model in models.items():
+            optims[who].zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            with CommTracer() as tracer:
+                loss.backward()
+            if who == "yours" or name == "fp16":
+                assert_ops(tracer, expected, f"{what}: {who} {name} hook on {who} DDP (one bucket), its backward")
+        pairs = list(zip(models["yours"].parameters(), models["torch's"].parameters()))
+        against = f"your {name} hook on your chapter-02 DDP vs torch's on DistributedDataParallel"
+        for i, (p, q) in enumerate(pairs):
+            assert_close(p.grad, q.grad, f"{what}: gradient {i}, {against}", rtol=grad_rtol, atol=grad_atol)
+            slack[i] += lr * (grad_atol + grad_rtol * q.grad.abs().max().item())
+        for opt in optims.values():
+            opt.step()
+        for i, (p, q) in enumerate(pairs):
+            assert_close(p, q, f"{what}: parameter {i} after the step, {against}", rtol=rtol, atol=atol + slack[i])
+
+
+@task("compress.fp16", points=0.5)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fp16_on_chapter02_ddp(world_size):
+    run_graded("compress.fp16", hooks_on_chapter02_ddp, world_size, "fp16", timeout=120)
+
+
+@task("compress.powersgd", points=0.5)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_powersgd_on_chapter02_ddp(world_size):
+    run_graded("compress.powersgd", hooks_on_chapter02_ddp, world_size, "powersgd", timeout=120)

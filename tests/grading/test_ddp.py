@@ -22,6 +22,16 @@ Behaviour, traced with ``CommTracer`` at every step, the whole signature and not
 * ddp.no_sync: nothing at all inside ``no_sync()``; the synchronising backward after it is a
   normal one, signature and overlap included.
 
+Communication hooks (ddp.bucketed): launching a bucket goes through the given
+``DDP._communicate``, which runs a registered hook. With a test hook that averages in float64
+(cast, divide, all-reduce, a new float32 tensor as the future's value), on the GPT with 4 KiB
+buckets over the model's group: per step the hook is called once per bucket, in index order,
+``is_last()`` on the last only, ``gradients()`` views of ``buffer()`` shaped like
+``parameters()``; the trace is one float64 all-reduce per bucket (twice the float32 bytes of
+the cap rule), in bucket order; gradients and parameters match the reference and the built-in
+running the same hook. ``register_comm_hook`` refuses per-parameter mode, a second hook and a
+hook after a backward (given code, checked without communication).
+
 Process groups are partitions of the world (e.g. [0] and [1, 2, 3]): every rank trains in
 its own group, so an implementation that ignores ``process_group`` meets the other group's
 ranks in its collectives and the trace names the wrong group.
@@ -378,6 +388,100 @@ def bucketed_on_rank(groups=None) -> None:
                                                    "gpt, 4 KiB buckets"]
     for case in cases:
         train_and_compare("ddp.bucketed", case, groups=groups)
+    train_with_hook(groups)
+
+
+class HookLog(SimpleNamespace):
+    """The test hook's state: its process group and size, and what it saw of each bucket."""
+
+
+def float64_hook(state: HookLog, bucket):
+    """Average the bucket in float64 and hand back a new float32 tensor: a hook whose trace
+    (float64, twice the bytes) tells it apart from DDP's default all-reduce."""
+    buffer, grads = bucket.buffer(), bucket.gradients()
+    starts = torch.tensor([0] + [g.numel() for g in grads]).cumsum(0).tolist()
+    views = all(g.data_ptr() == buffer.data_ptr() + start * g.element_size() for g, start in zip(grads, starts))
+    shapes = [g.shape for g in grads] == [p.shape for p in bucket.parameters()]
+    state.calls.append((bucket.index(), bucket.is_last(), views, shapes))
+    wide = buffer.double().div_(state.size)
+    future = dist.all_reduce(wide, group=state.group, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].float())
+
+
+def check_hook_rules(where: str) -> None:
+    """register_comm_hook's refusals (given code), with no communication: init_sync=False, and
+    the backward runs under no_sync()."""
+    from labkit.ddp import DDP
+
+    def noop(state, bucket):
+        future = torch.futures.Future()
+        future.set_result(bucket.buffer())
+        return future
+
+    refusals = [(DDP(ToyModel(), bucket_cap_mb=None, init_sync=False), "per-parameter mode")]
+    twice = DDP(ToyModel(), init_sync=False)
+    twice.register_comm_hook(None, noop)
+    refusals.append((twice, "a second hook"))
+    late = DDP(ToyModel(), init_sync=False, broadcast_buffers=False, find_unused_parameters=True)
+    with late.no_sync():
+        toy_loss(late, *regression(2, 8, 8, seed=1)).backward()
+    refusals.append((late, "a hook after the first backward"))
+    for ddp, what in refusals:
+        with pytest.raises(RuntimeError):
+            ddp.register_comm_hook(None, noop)
+            raise AssertionError(f"ddp.bucketed: {where}: register_comm_hook accepted {what}")
+
+
+def train_with_hook(groups=None) -> None:
+    """STEPS steps of the GPT (4 KiB buckets) with ``float64_hook`` on ours and on the built-in."""
+    from labkit.ddp import DDP
+    kind, ddp_kwargs = CASES["gpt, 4 KiB buckets"]
+    group, members = own_group(groups)
+    rank = dist.get_rank()
+    n, me = len(members), members.index(rank)
+    where = f"rank {rank} of {n}, gpt, 4 KiB buckets, float64 test hook"
+    check_hook_rules(where)
+    models = {name: make_model(kind) for name in ("ours", "builtin", "reference")}
+    ours = DDP(models["ours"], process_group=group, init_sync=False, broadcast_buffers=False, **ddp_kwargs)
+    builtin = builtin_ddp(models["builtin"], process_group=group)
+    logs = {name: HookLog(group=group, size=n, calls=[]) for name in ("ours", "builtin")}
+    ours.register_comm_hook(logs["ours"], float64_hook)
+    builtin.register_comm_hook(logs["builtin"], float64_hook)
+    optims = {name: torch.optim.SGD(m.parameters(), **SGD) for name, m in models.items()}
+    x, y = make_data(kind, STEPS * n * BATCH)
+    for step in range(STEPS):
+        at = f"{where}, step {step}"
+        gx, gy = x[step * n * BATCH:(step + 1) * n * BATCH], y[step * n * BATCH:(step + 1) * n * BATCH]
+        lx, ly = gx[me * BATCH:(me + 1) * BATCH], gy[me * BATCH:(me + 1) * BATCH]
+        logs["ours"].calls.clear()
+        with CommTracer() as tracer:
+            loss_of(kind, ours, lx, ly).backward()
+        loss_of(kind, builtin, lx, ly).backward()
+        loss_of(kind, models["reference"], gx, gy).backward()
+
+        expected = expected_all_reduce_bytes(models["reference"], ddp_kwargs, {})
+        calls = logs["ours"].calls
+        assert [c[0] for c in calls] == list(range(len(expected))), (
+            f"ddp.bucketed: {at}: the hook saw buckets {[c[0] for c in calls]}, expected each of the "
+            f"{len(expected)} once, in index order: launch every bucket with self._communicate(bucket)")
+        assert [c[1] for c in calls] == [i == len(expected) - 1 for i in range(len(expected))], \
+            f"ddp.bucketed: {at}: is_last() must be True for the last bucket only"
+        assert all(c[2] and c[3] for c in calls), \
+            f"ddp.bucketed: {at}: the hook's gradients() must be views of buffer() shaped like parameters()"
+        assert_ops(tracer, [Op("all_reduce", 2 * size, members) for size in expected],
+                   f"ddp.bucketed: {at}: one float64 all-reduce per bucket, issued by the registered hook")
+        got = [e.bytes for e in tracer.events]
+        assert got == [2 * size for size in expected] and all(e.dtype == torch.float64 for e in tracer.events), \
+            f"ddp.bucketed: {at}: the hook's all-reduces in the order {got} (bytes), expected bucket order"
+        check_grads("ddp.bucketed", at, models["ours"], models["reference"], "the single-process reference")
+        check_grads("ddp.bucketed", at, models["ours"], models["builtin"], "DistributedDataParallel, same hook")
+        for name in models:
+            optims[name].step()
+            optims[name].zero_grad()
+        check_params("ddp.bucketed", at + " (after the optimizer step)", models["ours"], models["reference"],
+                     "the single-process reference")
+        check_params("ddp.bucketed", at + " (after the optimizer step)", models["ours"], models["builtin"],
+                     "DistributedDataParallel, same hook")
 
 
 def check_assign_buckets() -> None:

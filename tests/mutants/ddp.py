@@ -63,8 +63,8 @@ MUTANTS = [
                    "            buckets.append(current)\n            current, size = [], 0\n"
                    "        current.append(p)\n        size += p.numel() * p.element_size()\n"),
     Mutant("ddp.bucketed", "waits_in_hook", "waits for each bucket's all-reduce right after launching it",
-           find="            ready.work = dist.all_reduce(ready.buffer, group=self.group, async_op=True)\n",
-           replace="            ready.work = dist.all_reduce(ready.buffer, group=self.group, async_op=True)\n"
+           find="            ready.work = self._communicate(ready)\n",
+           replace="            ready.work = self._communicate(ready)\n"
                    "            ready.work.wait()\n"),
     Mutant("ddp.bucketed", "launch_when_all_full", "launches the buckets only once every bucket is full",
            find="while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].waiting == 0:",
@@ -76,11 +76,21 @@ MUTANTS = [
            replace="        bucket.waiting -= 1\n"
                    "        if bucket.waiting == 0:\n"
                    "            ready = bucket\n"),
-    Mutant("ddp.bucketed", "world_group", "all-reduces the buckets over every rank, not over process_group",
-           find="ready.work = dist.all_reduce(ready.buffer, group=self.group, async_op=True)",
-           replace="ready.work = dist.all_reduce(ready.buffer, async_op=True)"),
-    Mutant("ddp.bucketed", "no_predivide", "all-reduces the bucket's sum without dividing by the world size",
-           find="            ready.buffer.div_(self.world_size)\n", replace=""),
+    Mutant("ddp.bucketed", "bypasses_communicate",
+           "divides and all-reduces the bucket itself, as before the hook point: a registered hook never runs",
+           find="            ready.work = self._communicate(ready)\n",
+           replace="            ready.buffer.div_(self.world_size)\n"
+                   "            ready.work = dist.all_reduce(ready.buffer, group=self.group, async_op=True)\n"),
+    Mutant("ddp.bucketed", "launch_incomplete", "launches the next bucket as soon as its first gradient is in",
+           find="while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].waiting == 0:",
+           replace="while self._next_bucket < len(self.buckets) and "
+                   "self.buckets[self._next_bucket].waiting < len(self.buckets[self._next_bucket].params):"),
+    Mutant("ddp.bucketed", "wait_for_none", "copies the slots back without waiting for the bucket's launch",
+           find="            bucket.work.wait()\n            for p, slot in zip(bucket.params, bucket.slots):",
+           replace="            for p, slot in zip(bucket.params, bucket.slots):"),
+    Mutant("ddp.bucketed", "no_copy_back", "waits for every bucket but never copies the averages into .grad",
+           find="            for p, slot in zip(bucket.params, bucket.slots):\n                p.grad.copy_(slot)\n",
+           replace=""),
     Mutant("ddp.bucketed", "builtin_assignment", "takes torch's own bucket assignment instead of writing the rule",
            find="    # BEGIN SOLUTION ddp.bucketed: walk",
            replace="    order = list(reversed(params))\n"
