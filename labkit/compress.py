@@ -52,8 +52,8 @@ Tasks (run ``labkit grade compress``; tests in ``tests/grading/test_compress.py`
 ``NodeGroups`` (given) checks ``nodes x ranks_per_node`` against the world (ValueError before
 any communication) and makes the groups; ``hierarchical_hook`` runs your all-reduce as a hook.
 
-The chapter-02 ``labkit.ddp.DDP`` has no hook point (it all-reduces its buckets itself), so the
-hooks here run on torch's ``DistributedDataParallel`` or by hand on a ``FlatBucket``.
+The hooks run on torch's ``DistributedDataParallel`` and on the chapter-02 ``labkit.ddp.DDP``
+(both: ``model.register_comm_hook(state, hook)``), or by hand on a ``FlatBucket``.
 """
 
 import numpy as np
