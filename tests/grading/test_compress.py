@@ -437,11 +437,11 @@ def test_hierarchical(world_size):
 # matmuls: event order, not time). Bad shapes raise ValueError with nothing traced.
 # compress.matmul_rs also runs ``CollectiveMatmulMLP`` against ``labkit.models.MLP``.
 
-from types import SimpleNamespace  # noqa: E402
+from types import SimpleNamespace
 
-import torch.nn.functional as F  # noqa: E402
+import torch.nn.functional as F
 
-from labkit.comm import assert_overlap  # noqa: E402
+from labkit.comm import assert_overlap
 
 CM_B, CM_T, CM_EMBD, CM_HIDDEN = 2, 12, 6, 24  # T and the hidden size divide by N = 1, 2, 3, 4
 CM_STEPS, CM_LR, CM_TOL = 2, 0.1, 1e-12
