@@ -428,7 +428,7 @@ def test_hierarchical(world_size):
 # Every rank, N = 1-4 (1: a diagnostic), float64, 2 SGD steps of a layer cut from one seeded
 # nn.Linear (the chapter-05 weight slices): the output and the input, weight and bias
 # gradients equal (1e-12) those of the same slices behind an unsplit collective (one
-# all_gather_into_tensor / reduce_scatter_tensor along the sequence, written here) and a
+# all_gather_single / reduce_scatter_single along the sequence, written here) and a
 # one-process nn.Linear on the whole sequence (this rank's rows / columns of it). The whole
 # trace of the forward and of the backward is N - 1 sends of one chunk to the next rank on the
 # ring and N - 1 receives of one chunk from the previous one, nothing else (the bytes of the
@@ -461,14 +461,14 @@ def cm_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
 def _gather_sequence(x):
     shards = x.transpose(0, 1).contiguous()
     full = shards.new_empty((dist.get_world_size() * shards.shape[0], *shards.shape[1:]))
-    dist.all_gather_into_tensor(full, shards)
+    dist.all_gather_single(full, shards)
     return full.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_sequence(x):
     full = x.transpose(0, 1).contiguous()
     shard = full.new_empty((full.shape[0] // dist.get_world_size(), *full.shape[1:]))
-    dist.reduce_scatter_tensor(shard, full)
+    dist.reduce_scatter_single(shard, full)
     return shard.transpose(0, 1).contiguous()
 
 
