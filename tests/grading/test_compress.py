@@ -441,7 +441,7 @@ from types import SimpleNamespace
 
 import torch.nn.functional as F
 
-from labkit.comm import assert_overlap
+from labkit.comm import assert_overlap, wire_bytes
 
 CM_B, CM_T, CM_EMBD, CM_HIDDEN = 2, 12, 6, 24  # T and the hidden size divide by N = 1, 2, 3, 4
 CM_STEPS, CM_LR, CM_TOL = 2, 0.1, 1e-12
@@ -504,6 +504,9 @@ def check_ring(tracer, message_bytes: int, what: str) -> None:
     n = dist.get_world_size()
     assert_ops(tracer, ring_ops(message_bytes), f"{what}: the collective as N-1 = {n - 1} ring steps of one "
                                                 f"{message_bytes} B chunk (next rank out, previous rank in)")
+    sent = sum(e.wire_bytes for e in tracer.events)
+    unsplit = wire_bytes("all_gather", n * message_bytes, n)  # = a reduce-scatter's of the same tensor
+    assert sent == unsplit, f"{what}: {sent} B sent, the unsplit ring collective sends {unsplit} B"
     matmuls_only = SimpleNamespace(events=tracer.events, timeline=[
         s for s in tracer.timeline if s.what != "compute" or s.op in MATMUL_OPS])
     assert_overlap(matmuls_only, f"{what}: each chunk's transfer must be in flight during a chunk's matmul")
