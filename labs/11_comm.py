@@ -237,8 +237,8 @@ def report_hierarchical(results) -> bool:
 
 # ----------------------------------------------------------------------------- collective matmul
 
-CM_B, CM_T, CM_EMBD = 2, 24, 32      # the check (T divides by 1, 2, 3, 4)
-CM_TIMED = (4, 512, 256)             # the timing: [B, T, n_embd] of the column layer's input
+CM_B, CM_T, CM_EMBD = 2, 24, 24      # the check (T and 4 n_embd divide by 1, 2, 3, 4)
+CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (divide by 1-4)
 CM_REPEATS = 9
 
 
