@@ -112,6 +112,9 @@ MUTANTS += [
     Mutant("compress.ag_matmul", "no_reduce_in_backward", "backward keeps only its own chunk's grad_y W_r: the other ranks' contributions to grad_x are lost",
            find="        grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk\n",
            replace="        grad_x = grads[dist.get_rank(ctx.group)] @ weight\n"),
+    Mutant("compress.ag_matmul", "world_ring", "takes its ring neighbours in the world, whatever group the layer is on",
+           find="    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n",
+           replace="    to_rank, from_rank = ring_peers(None)\n    outputs, chunks = [None] * n, [None] * n\n"),
     # compress.matmul_rs
     Mutant("compress.matmul_rs", "wait_before_matmul", "waits for the incoming sum before computing the next partial: no overlap",
            find="        part = partial(chunk)  # computed while the previous running sum travels\n"
