@@ -485,6 +485,8 @@ def hierarchical_bytes(numel: int, element_size: int, nodes: int, ranks_per_node
 # Tasks (run ``labkit grade compress``):
 #     compress.ag_matmul   ring_all_gather_matmul, AllGatherMatmul (forward, backward)
 #     compress.matmul_rs   ring_matmul_reduce_scatter, MatmulReduceScatter (forward, backward)
+# Each Function's backward runs the other task's ring, so each task's tests (forward and
+# backward) need both rings: write ring_all_gather_matmul and ring_matmul_reduce_scatter first.
 # ``AllGatherColumnLinear`` / ``MatmulReduceScatterLinear`` (given) put them in the chapter-05
 # layers (same weight slices) and ``CollectiveMatmulMLP`` runs an MLP sequence-parallel on them.
 # Shapes: [B, T, H], the sequence in dim 1 (as chapter 07). Bad shapes raise ValueError
