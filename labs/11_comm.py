@@ -17,10 +17,16 @@ On every rank (``labkit/compress.py``), a small MLP under ``torch.nn.parallel.Di
   ``hierarchical_bytes``, beside a flat ring's;
 * the same hooks on your chapter-02 ``labkit.ddp.DDP`` (its ``register_comm_hook``, one bucket):
   fp16 and PowerSGD against torch's hooks on torch's DDP.
+* your collective matmul (``CollectiveMatmulMLP``: an MLP block sequence-parallel on
+  ``AllGatherColumnLinear`` and ``MatmulReduceScatterLinear``) against ``labkit.models.MLP`` in one
+  process (float64, output and gradients); its traced communication (N-1 ring steps of one chunk per
+  collective: the unsplit collectives' bytes); every transfer in flight during a matmul; and the time
+  this rank spent in ``wait()`` for the column layer's all-gather, decomposed vs unsplit.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
 
+import statistics
 import warnings
 
 import torch
@@ -32,7 +38,8 @@ from labkit.comm import CommTracer, wire_bytes
 from labkit.course.labscript import lab_arguments, run_lab
 
 STEPS, NUMEL = 5, 2 ** 16 + 3
-TASKS = ("compress.fp16", "compress.powersgd", "compress.topk", "compress.hierarchical")
+TASKS = ("compress.fp16", "compress.powersgd", "compress.topk", "compress.hierarchical",
+         "compress.ag_matmul", "compress.matmul_rs")
 TOPK_RATIO = 0.01
 
 
@@ -168,7 +175,7 @@ def main() -> dict:
     torch.set_num_threads(1)
     result = {"backend": dist.get_backend()}
     for name, check in (("hooks", check_hooks), ("bytes", check_bytes), ("hierarchical", check_hierarchical),
-                        ("chapter02", check_chapter02_ddp)):
+                        ("chapter02", check_chapter02_ddp), ("cmm", check_collective_matmul)):
         try:
             result[name] = check()
         except NotImplementedError as exc:  # a stub raises on every rank alike
@@ -180,7 +187,7 @@ def report(results: list[dict]) -> bool:
     n = len(results)
     print(f"Lab 11: communication hooks and hierarchical all-reduce on {n} rank(s), backend {results[0]['backend']}\n")
     return all([report_hooks(results), report_bytes(results), report_hierarchical(results),
-                report_chapter02_ddp(results)])
+                report_chapter02_ddp(results), report_collective_matmul(results)])
 
 
 def report_hooks(results) -> bool:
@@ -231,7 +238,6 @@ def report_hierarchical(results) -> bool:
     return equal and formula
 
 
-
 # ----------------------------------------------------------------------------- hooks on your chapter-02 DDP
 
 
@@ -265,6 +271,101 @@ def report_chapter02_ddp(results) -> bool:
     for what, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {what}")
     print()
+    return all(checks.values())
+
+
+# ----------------------------------------------------------------------------- collective matmul
+
+CM_B, CM_T, CM_EMBD = 2, 24, 24      # the check (T and 4 n_embd divide by 1, 2, 3, 4)
+CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (divide by 1-4)
+CM_REPEATS = 9
+
+
+def unsplit_column(x_local, weight, bias):
+    """The column layer behind one all-gather of the sequence, waited on in ``wait()`` (so that
+    ``WaitClock`` sees its time): the baseline for exposed communication."""
+    n = dist.get_world_size()
+    shards = x_local.transpose(0, 1).contiguous()
+    full = shards.new_empty((n * shards.shape[0], *shards.shape[1:]))
+    dist.all_gather_single(full, shards, async_op=True).wait()
+    return nn.functional.linear(full.transpose(0, 1), weight, bias)
+
+
+def check_collective_matmul() -> dict:
+    from types import SimpleNamespace
+
+    from labkit.comm import assert_overlap
+    from labkit.compress import AllGatherMatmul, CollectiveMatmulMLP, WaitClock
+    from labkit.models import MLP
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = CM_T // n
+    torch.manual_seed(0)
+    block = MLP(SimpleNamespace(n_embd=CM_EMBD, bias=True)).double()
+    parallel = CollectiveMatmulMLP(block)
+    x = torch.randn(CM_B, CM_T, CM_EMBD, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mine, whole = x[:, rank * t:(rank + 1) * t].clone().requires_grad_(), x.clone().requires_grad_()
+    with CommTracer() as tracer:
+        parallel(mine).sum().backward()
+    block(whole).sum().backward()
+    hidden = 4 * CM_EMBD // n
+    errors = [mismatch(mine.grad, whole.grad[:, rank * t:(rank + 1) * t], 1e-12, 1e-12),
+              mismatch(parallel.c_fc.weight.grad, block.c_fc.weight.grad[rank * hidden:(rank + 1) * hidden], 1e-12, 1e-12),
+              mismatch(parallel.c_proj.weight.grad, block.c_proj.weight.grad[:, rank * hidden:(rank + 1) * hidden], 1e-12, 1e-12)]
+    with torch.no_grad():
+        errors.append(mismatch(parallel(mine), block(x)[:, rank * t:(rank + 1) * t], 1e-12, 1e-12))
+    chunk = CM_B * t * CM_EMBD * 8
+    ring = all(e.kind in ("send", "recv") and e.bytes == chunk for e in tracer.events) and len(tracer.events) == 8 * (n - 1)
+    overlap = True
+    if n > 1:
+        try:
+            assert_overlap(SimpleNamespace(events=tracer.events, timeline=[
+                s for s in tracer.timeline if s.what != "compute" or s.op in ("mm", "addmm", "matmul")]), "")
+        except AssertionError:
+            overlap = False
+
+    b, seq, embd = CM_TIMED  # exposed communication: the column layer's forward, time in wait()
+    weight = torch.randn(4 * embd // n, embd, generator=torch.Generator().manual_seed(2))
+    bias = torch.zeros(4 * embd // n)
+    x_local = torch.randn(b, seq // n, embd, generator=torch.Generator().manual_seed(3 + rank))
+    layers = {"collective matmul": lambda: AllGatherMatmul.apply(x_local, weight, bias, None),
+              "unsplit all-gather": lambda: unsplit_column(x_local, weight, bias)}
+    waited = {name: [] for name in layers}
+    for i in range(CM_REPEATS + 1):
+        for name, layer in (layers.items() if i % 2 else reversed(layers.items())):
+            dist.barrier()
+            with WaitClock() as clock:
+                layer()
+            if i:  # the first round warms up
+                waited[name].append(clock.seconds)
+    return dict(equal=all(e is None for e in errors), ring=ring, overlap=overlap, chunk=chunk,
+                events=len(tracer.events), waited=waited)
+
+
+def report_collective_matmul(results) -> bool:
+    if "cmm_missing" in results[0]:
+        print(f"collective matmul: not implemented yet: {results[0]['cmm_missing']}\n")
+        return False
+    n, first = len(results), results[0]["cmm"]
+    print(f"\ncollective matmul: an MLP block (n_embd {CM_EMBD}), sequence-parallel on {n} rank(s), forward + backward:")
+    print(f"  traced on rank 0: {first['events']} point-to-point messages of {first['chunk']:,} B "
+          f"(4 collectives x {n - 1} ring steps, a send and a receive each)")
+    b, seq, embd = CM_TIMED
+    # one run's exposed time is its slowest rank's; the median over the runs
+    exposed = {name: statistics.median(max(times) for times in zip(*(r["cmm"]["waited"][name] for r in results)))
+               for name in first["waited"]}
+    print(f"  time in wait(), column layer forward [{b}, {seq}, {embd}] -> {4 * embd}, slowest rank, median of {CM_REPEATS}:")
+    for name, seconds in exposed.items():
+        print(f"    {name:20s} {seconds * 1e3:7.3f} ms")
+    checks = {"output and gradients = labkit.models.MLP in one process (1e-12), every rank": all(r["cmm"]["equal"] for r in results),
+              "only ring steps of one chunk: the unsplit collectives' bytes, every rank": all(r["cmm"]["ring"] for r in results),
+              "every transfer in flight during a matmul (traced order), every rank": all(r["cmm"]["overlap"] for r in results)}
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    if n > 1:
+        ours, theirs = exposed["collective matmul"], exposed["unsplit all-gather"]
+        verdict = "less" if ours < theirs else "not less"
+        print(f"     measured: the decomposed all-gather left {ours * 1e3:.3f} ms exposed, {verdict} than "
+              f"the unsplit one's {theirs * 1e3:.3f} ms (timing only: no pass or fail)")
     return all(checks.values())
 
 

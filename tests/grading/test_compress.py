@@ -500,3 +500,258 @@ def test_fp16_on_chapter02_ddp(world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_powersgd_on_chapter02_ddp(world_size):
     run_graded("compress.powersgd", hooks_on_chapter02_ddp, world_size, "powersgd", timeout=120)
+
+
+# ============================================================================= collective matmul
+# compress.ag_matmul and compress.matmul_rs (overlap by decomposition; Wang et al. 2022).
+#
+# Every rank, N = 1-4 (1: a diagnostic), float64, 2 SGD steps of a layer cut from one seeded
+# nn.Linear (the chapter-05 weight slices): the output and the input, weight and bias
+# gradients equal (1e-12) those of the same slices behind an unsplit collective (one
+# all_gather_single / reduce_scatter_single along the sequence, written here) and a
+# one-process nn.Linear on the whole sequence (this rank's rows / columns of it). The whole
+# trace of the forward and of the backward is N - 1 sends of one chunk to the next rank on the
+# ring and N - 1 receives of one chunk from the previous one, nothing else (the bytes of the
+# unsplit collective: (N-1)/N of the gathered tensor each way); and every one of them is
+# posted before a matmul and waited on after it (``assert_overlap`` on the timeline of the
+# matmuls: event order, not time). Bad shapes raise ValueError with nothing traced. At N = 4
+# also over a subgroup (ranks in pairs): peers are the partner's global rank.
+# compress.matmul_rs also runs ``CollectiveMatmulMLP`` against ``labkit.models.MLP``.
+
+from types import SimpleNamespace
+
+import torch.nn.functional as F
+
+from labkit.comm import assert_overlap, wire_bytes
+
+CM_B, CM_T, CM_EMBD, CM_HIDDEN = 2, 12, 6, 24  # T and the hidden size divide by N = 1, 2, 3, 4
+CM_STEPS, CM_LR, CM_TOL = 2, 0.1, 1e-12
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "matmul", "linear"})
+
+
+def cm_seeded(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def cm_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Linear(in_features, out_features).double()
+
+
+def _gather_sequence(x):
+    shards = x.transpose(0, 1).contiguous()
+    full = shards.new_empty((dist.get_world_size() * shards.shape[0], *shards.shape[1:]))
+    dist.all_gather_single(full, shards)
+    return full.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_sequence(x):
+    full = x.transpose(0, 1).contiguous()
+    shard = full.new_empty((full.shape[0] // dist.get_world_size(), *full.shape[1:]))
+    dist.reduce_scatter_single(shard, full)
+    return shard.transpose(0, 1).contiguous()
+
+
+class UnsplitGather(torch.autograd.Function):
+    """The reference: one all-gather of the sequence, backward one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_sequence(grad)
+
+
+class UnsplitReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad)
+
+
+def ring_ops(message_bytes: int) -> list:
+    """N - 1 sends of one chunk to the next rank, N - 1 receives from the previous one."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return (n - 1) * [Op("send", message_bytes, peer=(rank + 1) % n), Op("recv", message_bytes, peer=(rank - 1) % n)]
+
+
+def check_ring(tracer, message_bytes: int, what: str) -> None:
+    n = dist.get_world_size()
+    assert_ops(tracer, ring_ops(message_bytes), f"{what}: the collective as N-1 = {n - 1} ring steps of one "
+                                                f"{message_bytes} B chunk (next rank out, previous rank in)")
+    sent = sum(e.wire_bytes for e in tracer.events)
+    unsplit = wire_bytes("all_gather", n * message_bytes, n)  # = a reduce-scatter's of the same tensor
+    assert sent == unsplit, f"{what}: {sent} B sent, the unsplit ring collective sends {unsplit} B"
+    matmuls_only = SimpleNamespace(events=tracer.events, timeline=[
+        s for s in tracer.timeline if s.what != "compute" or s.op in MATMUL_OPS])
+    assert_overlap(matmuls_only, f"{what}: each chunk's transfer must be in flight during a chunk's matmul")
+
+
+def sgd(*params) -> None:
+    with torch.no_grad():
+        for p in params:
+            p -= CM_LR * p.grad
+            p.grad = None
+
+
+def on_a_pair(column: bool) -> None:
+    """At N = 4, the layer over a subgroup (ranks in pairs): the ring's peers are the partner's
+    global rank, the result the pair's own (one process), forward and backward."""
+    from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    members = [rank // 2 * 2, rank // 2 * 2 + 1]
+    me, partner = members.index(rank), members[1 - members.index(rank)]
+    what = f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, over the pair {members}"
+    t, width = CM_T // 2, CM_HIDDEN // 2
+    rows, cols = slice(me * t, (me + 1) * t), slice(me * width, (me + 1) * width)
+    full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5)
+    layer = (AllGatherColumnLinear if column else MatmulReduceScatterLinear).from_linear(full, pairs[rank // 2])
+    x = cm_seeded(CM_B, CM_T, full.in_features, seed=60 + rank // 2)  # each pair its own input
+    upstream = cm_seeded(CM_B, CM_T, full.out_features, seed=70 + rank // 2)
+    mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
+    with CommTracer() as tracer:
+        y = layer(mine)
+        y.backward(upstream[..., cols] if column else upstream[:, rows])
+    message = CM_B * t * CM_EMBD * 8
+    assert_ops(tracer, 2 * [Op("send", message, peer=partner), Op("recv", message, peer=partner)],
+               f"{what}: forward and backward, one ring step each with the partner (global rank {partner})")
+    y_one = full(one)
+    y_one.backward(upstream)
+    assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process", rtol=CM_TOL, atol=CM_TOL)
+    assert_close(mine.grad, one.grad[:, rows] if column else one.grad[..., cols], f"{what}: grad x vs one process",
+                 rtol=CM_TOL, atol=CM_TOL)
+    assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
+                 f"{what}: grad weight vs one process", rtol=CM_TOL, atol=CM_TOL)
+
+
+def ag_matmul_on_rank() -> None:
+    from labkit.compress import AllGatherColumnLinear
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t, width = CM_T // n, CM_HIDDEN // n
+    rows, cols = slice(rank * t, (rank + 1) * t), slice(rank * width, (rank + 1) * width)
+    full = cm_linear(CM_EMBD, CM_HIDDEN, seed=1)
+    with pytest.raises(ValueError):
+        AllGatherColumnLinear.from_linear(full, None, gather_output=True)
+    layer = AllGatherColumnLinear.from_linear(full, None)
+    ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
+    for bad in (torch.zeros(CM_B, t, CM_EMBD + 1, dtype=torch.float64), torch.zeros(t, CM_EMBD, dtype=torch.float64)):
+        with CommTracer() as tracer, pytest.raises(ValueError):
+            layer(bad)
+        assert not tracer.events, f"compress.ag_matmul: rank {rank}: input {tuple(bad.shape)}: refuse before communicating"
+    chunk_bytes = CM_B * t * CM_EMBD * 8
+    for step in range(CM_STEPS):
+        what = f"compress.ag_matmul: rank {rank} of {n}, step {step + 1}"
+        x = cm_seeded(CM_B, CM_T, CM_EMBD, seed=10 + step)
+        upstream = cm_seeded(CM_B, CM_T, CM_HIDDEN, seed=20 + step)
+        mine, ref, one = x[:, rows].clone().requires_grad_(), x[:, rows].clone().requires_grad_(), x.clone().requires_grad_()
+        with CommTracer() as forward:
+            y = layer(mine)
+        check_ring(forward, chunk_bytes, f"{what}: forward (all-gather of x's chunks [{CM_B}, {t}, {CM_EMBD}])")
+        y_ref = F.linear(UnsplitGather.apply(ref), ref_w, ref_b)
+        y_one = full(one)
+        assert_close(y, y_ref, f"{what}: output vs the same slice after one all-gather", rtol=CM_TOL, atol=CM_TOL)
+        assert_close(y, y_one[..., cols], f"{what}: output vs one process (columns {cols.start}:{cols.stop})",
+                     rtol=CM_TOL, atol=CM_TOL)
+        with CommTracer() as backward:
+            y.backward(upstream[..., cols])
+        check_ring(backward, chunk_bytes, f"{what}: backward (reduce-scatter of grad_x's chunks [{CM_B}, {t}, {CM_EMBD}])")
+        y_ref.backward(upstream[..., cols])
+        y_one.backward(upstream)
+        for name, got, unsplit, single in (("grad x", mine.grad, ref.grad, one.grad[:, rows]),
+                                           ("grad weight", layer.weight.grad, ref_w.grad, full.weight.grad[cols]),
+                                           ("grad bias", layer.bias.grad, ref_b.grad, full.bias.grad[cols])):
+            assert_close(got, unsplit, f"{what}: {name} vs the unsplit all-gather", rtol=CM_TOL, atol=CM_TOL)
+            assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
+        sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
+    if n == 4:
+        on_a_pair(column=True)
+
+
+def matmul_rs_on_rank() -> None:
+    from labkit.compress import CollectiveMatmulMLP, MatmulReduceScatterLinear
+    from labkit.models import MLP
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t, width = CM_T // n, CM_HIDDEN // n
+    rows, cols = slice(rank * t, (rank + 1) * t), slice(rank * width, (rank + 1) * width)
+    full = cm_linear(CM_HIDDEN, CM_EMBD, seed=2)
+    with pytest.raises(ValueError):
+        MatmulReduceScatterLinear.from_linear(full, None, input_is_parallel=False)
+    layer = MatmulReduceScatterLinear.from_linear(full, None)
+    ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
+    bads = [torch.zeros(CM_B, CM_T, width + 1, dtype=torch.float64)] + \
+        ([torch.zeros(CM_B, CM_T + 1, width, dtype=torch.float64)] if n > 1 else [])
+    for bad in bads:
+        with CommTracer() as tracer, pytest.raises(ValueError):
+            layer(bad)
+        assert not tracer.events, f"compress.matmul_rs: rank {rank}: input {tuple(bad.shape)}: refuse before communicating"
+    chunk_bytes = CM_B * t * CM_EMBD * 8
+    for step in range(CM_STEPS):
+        what = f"compress.matmul_rs: rank {rank} of {n}, step {step + 1}"
+        h = cm_seeded(CM_B, CM_T, CM_HIDDEN, seed=30 + step)
+        upstream = cm_seeded(CM_B, CM_T, CM_EMBD, seed=40 + step)
+        mine, ref, one = h[..., cols].clone().requires_grad_(), h[..., cols].clone().requires_grad_(), h.clone().requires_grad_()
+        with CommTracer() as forward:
+            y = layer(mine)
+        check_ring(forward, chunk_bytes, f"{what}: forward (reduce-scatter of the partial sums [{CM_B}, {t}, {CM_EMBD}])")
+        y_ref = UnsplitReduceScatter.apply(F.linear(ref, ref_w)) + ref_b
+        y_one = full(one)
+        assert_close(y, y_ref, f"{what}: output vs the same slice before one reduce-scatter", rtol=CM_TOL, atol=CM_TOL)
+        assert_close(y, y_one[:, rows], f"{what}: output vs one process (rows {rows.start}:{rows.stop})",
+                     rtol=CM_TOL, atol=CM_TOL)
+        with CommTracer() as backward:
+            y.backward(upstream[:, rows])
+        check_ring(backward, chunk_bytes, f"{what}: backward (all-gather of grad_y's chunks [{CM_B}, {t}, {CM_EMBD}])")
+        y_ref.backward(upstream[:, rows])
+        y_one.backward(upstream)
+        for bias in (layer.bias, ref_b):  # each rank added the bias to its own tokens: sum the shares
+            dist.all_reduce(bias.grad)
+        for name, got, unsplit, single in (("grad x", mine.grad, ref.grad, one.grad[..., cols]),
+                                           ("grad weight", layer.weight.grad, ref_w.grad, full.weight.grad[:, cols]),
+                                           ("grad bias (summed over ranks)", layer.bias.grad, ref_b.grad, full.bias.grad)):
+            assert_close(got, unsplit, f"{what}: {name} vs the unsplit reduce-scatter", rtol=CM_TOL, atol=CM_TOL)
+            assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
+        sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
+    if n == 4:
+        on_a_pair(column=False)
+
+    with torch.random.fork_rng(devices=[]):  # the MLP block, sequence-parallel on both collective matmuls
+        torch.manual_seed(3)
+        block = MLP(SimpleNamespace(n_embd=CM_EMBD, bias=True)).double()
+    parallel = CollectiveMatmulMLP(block, None)
+    x = cm_seeded(CM_B, CM_T, CM_EMBD, seed=50)
+    upstream = cm_seeded(CM_B, CM_T, CM_EMBD, seed=51)
+    mine, one = x[:, rows].clone().requires_grad_(), x.clone().requires_grad_()
+    with CommTracer() as tracer:
+        y = parallel(mine)
+        y.backward(upstream[:, rows])
+    hidden_bytes = CM_B * t * CM_EMBD * 8
+    assert_ops(tracer, ring_ops(hidden_bytes) * 4, f"compress.matmul_rs: rank {rank}: CollectiveMatmulMLP forward and "
+               "backward: four collectives, each N-1 ring steps of one [B, T/N, n_embd] chunk")
+    y_one = block(one)
+    y_one.backward(upstream)
+    what = f"compress.matmul_rs: rank {rank} of {n}: CollectiveMatmulMLP vs labkit.models.MLP in one process"
+    assert_close(y, y_one[:, rows], f"{what}: output", rtol=CM_TOL, atol=CM_TOL)
+    assert_close(mine.grad, one.grad[:, rows], f"{what}: grad x", rtol=CM_TOL, atol=CM_TOL)
+    assert_close(parallel.c_fc.weight.grad, block.c_fc.weight.grad[cols], f"{what}: grad c_fc.weight", rtol=CM_TOL, atol=CM_TOL)
+    assert_close(parallel.c_proj.weight.grad, block.c_proj.weight.grad[:, cols], f"{what}: grad c_proj.weight",
+                 rtol=CM_TOL, atol=CM_TOL)
+
+
+@task("compress.ag_matmul", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_ag_matmul(world_size):
+    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, timeout=120)
+
+
+@task("compress.matmul_rs", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_matmul_rs(world_size):
+    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, timeout=120)
+# ============================================================================= end of collective matmul

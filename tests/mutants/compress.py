@@ -75,3 +75,76 @@ MUTANTS = [
            find="    dist.all_reduce(part, group=groups.across)\n    dist.all_gather_single(padded, part, group=groups.inside)\n",
            replace="    dist.all_gather_single(padded, part, group=groups.inside)\n    dist.all_reduce(padded, group=groups.across)\n"),
 ]
+
+# ----------------------------------------------------------------------------- collective matmul
+MUTANTS += [
+    # compress.ag_matmul
+    Mutant("compress.ag_matmul", "wait_before_matmul", "waits for the next chunk before multiplying the one in hand: no overlap",
+           find="        chunks[owner], outputs[owner] = held, matmul(held)  # while the next chunk travels\n"
+                "        if pending is not None:\n"
+                "            held, works = pending\n"
+                "            for work in works:\n"
+                "                work.wait()\n",
+           replace="        if pending is not None:\n"
+                   "            for work in pending[1]:\n"
+                   "                work.wait()\n"
+                   "        chunks[owner], outputs[owner] = held, matmul(held)\n"
+                   "        if pending is not None:\n"
+                   "            held, works = pending\n"),
+    Mutant("compress.ag_matmul", "wrong_direction", "sends to the previous rank and receives from the next, but files chunks as if from the previous",
+           find="        pending = start_exchange(held, to_rank, from_rank, group) if step < n - 1 else None\n",
+           replace="        pending = start_exchange(held, from_rank, to_rank, group) if step < n - 1 else None\n"),
+    Mutant("compress.ag_matmul", "owner_off_by_one", "files each received chunk under the wrong rank (counts up the ring from its own index)",
+           find="            owner = (owner - 1) % n\n", replace="            owner = (me + step + 1) % n\n"),
+    Mutant("compress.ag_matmul", "builtin_all_gather", "one dist.all_gather_into_tensor, then the matmuls: right output, nothing overlapped",
+           find="    held, owner = x_local.contiguous(), me\n    for step in range(n):\n        pending = start_exchange(",
+           replace="    gathered = x_local.new_empty((n * x_local.shape[0], *x_local.shape[1:]))\n"
+                   "    dist.all_gather_into_tensor(gathered, x_local.contiguous(), group=group)\n"
+                   "    for c, chunk in enumerate(gathered.chunk(n)):\n"
+                   "        chunks[c], outputs[c] = chunk, matmul(chunk)\n"
+                   "    return outputs, chunks\n"
+                   "    held, owner = x_local.contiguous(), me\n    for step in range(n):\n        pending = start_exchange("),
+    Mutant("compress.ag_matmul", "extra_check_gather", "all-gathers x once more \"to check\" the ring's result: twice the bytes",
+           find="        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n",
+           replace="        check = x_local.new_empty((dist.get_world_size(group) * x_local.shape[0], *x_local.shape[1:]))\n"
+                   "        dist.all_gather_into_tensor(check, x_local.contiguous(), group=group)\n"
+                   "        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n"),
+    Mutant("compress.ag_matmul", "no_reduce_in_backward", "backward keeps only its own chunk's grad_y W_r: the other ranks' contributions to grad_x are lost",
+           find="        grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk\n",
+           replace="        grad_x = grads[dist.get_rank(ctx.group)] @ weight\n"),
+    Mutant("compress.ag_matmul", "world_ring", "takes its ring neighbours in the world, whatever group the layer is on",
+           find="    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n",
+           replace="    to_rank, from_rank = ring_peers(None)\n    outputs, chunks = [None] * n, [None] * n\n"),
+    # compress.matmul_rs
+    Mutant("compress.matmul_rs", "wait_before_matmul", "waits for the incoming sum before computing the next partial: no overlap",
+           find="        part = partial(chunk)  # computed while the previous running sum travels\n"
+                "        if pending is not None:\n"
+                "            received, works = pending\n"
+                "            for work in works:\n"
+                "                work.wait()\n"
+                "            part = part + received\n",
+           replace="        if pending is not None:\n"
+                   "            received, works = pending\n"
+                   "            for work in works:\n"
+                   "                work.wait()\n"
+                   "        part = partial(chunk)\n"
+                   "        if pending is not None:\n"
+                   "            part = part + received\n"),
+    Mutant("compress.matmul_rs", "chunk_off_by_one", "computes chunk r - s instead of r - s - 1: the sum that ends here is the next rank's chunk",
+           find="        chunk = (me - step - 1) % n\n", replace="        chunk = (me - step) % n\n"),
+    Mutant("compress.matmul_rs", "wrong_direction", "passes the running sums to the previous rank, receives from the next",
+           find="            pending = start_exchange(part, to_rank, from_rank, group)\n",
+           replace="            pending = start_exchange(part, from_rank, to_rank, group)\n"),
+    Mutant("compress.matmul_rs", "builtin_reduce_scatter", "all partial products, then one dist.reduce_scatter_tensor: right sum, nothing overlapped",
+           find="    pending, part = None, None\n    for step in range(n):\n        chunk = (me - step - 1) % n\n",
+           replace="    parts = [partial(c) for c in range(n)]\n"
+                   "    full, mine = torch.cat(parts), torch.empty_like(parts[0])\n"
+                   "    dist.reduce_scatter_tensor(mine, full, group=group)\n"
+                   "    return mine\n"
+                   "    pending, part = None, None\n    for step in range(n):\n        chunk = (me - step - 1) % n\n"),
+    Mutant("compress.matmul_rs", "no_gather_in_backward", "backward multiplies only its own grad_y chunk: grad_x is zero on the other ranks' rows",
+           find="        outputs, grads = ring_all_gather_matmul(grad_y, lambda g: g @ weight, ctx.group)\n",
+           replace="        me, n = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)\n"
+                   "        grads = [grad_y if c == me else torch.zeros_like(grad_y) for c in range(n)]\n"
+                   "        outputs = [g @ weight for g in grads]\n"),
+]

@@ -104,3 +104,56 @@ def hierarchical_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
     return BenchRow(f"all-reduce of {HIER_NUMEL * 4 / 2**20:.0f} MiB fp32, hierarchical {nodes} x {world_size // nodes} "
                     f"vs flat dist.all_reduce (one machine: no slow links to save)", r["ours"], r["builtin"],
                     r["traced"], r["formula"])
+
+
+# ----------------------------------------------------------------------------- collective matmul
+
+CM_BATCH, CM_SEQ, CM_EMBD = 4, 256, 256  # per rank [4, 256/N, 256]; hidden 1024
+
+
+def _collective_matmul_vs_unsplit(repeats: int) -> dict:
+    """Forward + backward of an MLP block, sequence-parallel: collective matmuls (labkit.compress)
+    vs the chapter-05 layers behind one all-gather / reduce-scatter of the sequence (chapter 07)."""
+    from types import SimpleNamespace
+
+    from labkit.comm import CommTracer, wire_bytes
+    from labkit.compress import CollectiveMatmulMLP, WaitClock
+    from labkit.models import MLP
+    from labkit.sp import gather_sequence, reduce_scatter_sequence
+    from labkit.tp import ParallelMLP
+    torch.set_num_threads(1)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    block = MLP(SimpleNamespace(n_embd=CM_EMBD, bias=True))
+    unsplit = ParallelMLP(block)
+    unsplit.c_fc.input_op, unsplit.c_proj.output_op = gather_sequence, reduce_scatter_sequence
+    models = {"ours": CollectiveMatmulMLP(block), "builtin": unsplit}
+    x = torch.randn(CM_BATCH, CM_SEQ // n, CM_EMBD, generator=torch.Generator().manual_seed(rank))
+
+    def step(name):
+        def run(inp):
+            models[name](inp).sum().backward()
+        return run
+
+    medians = interleaved_medians({name: step(name) for name in models}, lambda: x.clone().requires_grad_(),
+                                  repeats, warmup=2)
+    with WaitClock() as clock:
+        step("ours")(x.clone().requires_grad_())
+    sent = {}
+    for name in models:
+        with CommTracer() as tracer:
+            step(name)(x.clone().requires_grad_())
+        sent[name] = sum(e.wire_bytes for e in tracer.events)
+    # four sequence collectives per step (all-gather and reduce-scatter, forward and backward), each
+    # (N-1)/N of the gathered [B, T, H] activation, in fp32
+    formula = 4 * wire_bytes("all_gather", CM_BATCH * CM_SEQ * CM_EMBD * 4, n)
+    return dict(medians, traced=sent["ours"], formula=formula, builtin_bytes=sent["builtin"], exposed_wait_s=clock.seconds)
+
+
+@row("collective_matmul")
+def collective_matmul_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
+    """an MLP block's forward + backward on your collective matmuls (chapter 11) vs the chapter-05 layers + unsplit all-gather / reduce-scatter"""
+    r = launch(_collective_matmul_vs_unsplit, world_size, repeats, timeout=600)[0]
+    return BenchRow(f"MLP fwd+bwd [{CM_BATCH}, {CM_SEQ}, {CM_EMBD}], sequence-parallel, {world_size} ranks: collective "
+                    f"matmul vs chapter-05 layers + unsplit all-gather/reduce-scatter", r["ours"], r["builtin"],
+                    r["traced"], r["formula"], extra=dict(builtin_bytes=r["builtin_bytes"], exposed_wait_s=r["exposed_wait_s"]))
