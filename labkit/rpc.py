@@ -53,8 +53,20 @@ from torch.distributed.optim import DistributedOptimizer
 from labkit.dp import ServerLog
 
 # DistributedOptimizer builds TorchScript functional optimizers on the parameters' owners,
-# which torch now warns about on every owner; the API works (it is in maintenance mode).
-warnings.filterwarnings("ignore", message=".*TorchScript.*functional optimizers", category=DeprecationWarning)
+# and torch warns about that on every owner, inside ``catch_warnings`` + ``simplefilter
+# ("always")``, so no filter can silence it. The API works (it is in maintenance mode), and
+# the warning would fill every notebook cell: drop that one message where warnings are shown.
+_SCRIPTED_OPTIMIZER_NOTE = "`TorchScript` support for functional optimizers is deprecated"
+
+
+def _show_warning_but_the_scripted_optimizer_note(message, *args, _show=warnings.showwarning, **kwargs):
+    if _SCRIPTED_OPTIMIZER_NOTE not in str(message):
+        _show(message, *args, **kwargs)
+
+
+if not getattr(warnings.showwarning, "_labkit_rpc", False):
+    _show_warning_but_the_scripted_optimizer_note._labkit_rpc = True
+    warnings.showwarning = _show_warning_but_the_scripted_optimizer_note
 
 # ----------------------------------------------------------------------------- tracing RPCs
 
