@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
-from torch.distributed.optim import DistributedOptimizer
 
 import labkit
 from labkit.check import assert_close
@@ -388,7 +387,7 @@ def pipeline_driver(R, first, last, what) -> None:
             if step == 0:
                 check_trace(tracer, x, first, last, what)
                 check_overlap(what)
-                optimizer = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=LR)
+                optimizer = R.DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=LR)
             optimizer.step(context_id)
         with torch.no_grad():
             for p in reference.parameters():
