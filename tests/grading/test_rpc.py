@@ -145,8 +145,7 @@ def _trainer_group(trainers):
 
 
 def remote_ps_job():
-    rank, n, trainers = roles()
-    _trainer_group(trainers)  # collective creation on every rank first
+    _trainer_group(roles()[2])  # collective creation on every rank first
     remote_ps_on_rank()
 
 
@@ -290,7 +289,7 @@ def replay(applied, batches, trainers) -> nn.Module:
 
 def dying_trainer_job() -> None:
     from labkit import rpc as R
-    rank, n, trainers = roles()
+    rank, _, trainers = roles()
     batches = [batch(step, 3) for step in range(STEPS)]
     if rank == 0:
         server = R.start_batching_server(small_model(1), len(trainers), LR)

@@ -71,7 +71,10 @@ def _servers(repeats: int, iterations: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     batches = [(torch.randn(16 * len(trainers), 64, generator=gen), torch.randn(16 * len(trainers), 64, generator=gen))
                for _ in range(iterations)]
-    loss = lambda out, y: ((out - y) ** 2).mean()  # noqa: E731
+
+    def loss(out, y):
+        return ((out - y) ** 2).mean()
+
     runs = itertools.count()
 
     def by_rpc(_):
