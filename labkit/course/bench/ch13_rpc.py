@@ -93,12 +93,16 @@ def _servers(repeats: int, iterations: int) -> dict:
         dp.run_parameter_server(model, opt, lambda m, x, y: loss(m(x), y), batches, staleness=0)
 
     medians = interleaved_medians({"ours": by_rpc, "builtin": by_collectives}, lambda: None, repeats, warmup=1)
-    with R.RpcTracer() as tracer:  # after the timing: one more run, traced
+    from labkit.comm import CommTracer
+    with R.RpcTracer() as tracer:  # after the timing: one more run of each, traced
         by_rpc(None)
-    sent = tracer.totals()["sent"] / iterations  # rank 1 (a trainer) is the one reported
+    with CommTracer() as p2p:
+        by_collectives(None)
     params = sum(p.numel() for p in _model().parameters())
-    return dict(ours=medians["ours"] / iterations, builtin=medians["builtin"] / iterations, sent=sent,
-                grad_bytes=params * 4)
+    # per iteration, as rank 1 (a trainer) sees it; ch01 also broadcasts the final model once
+    return dict(ours=medians["ours"] / iterations, builtin=medians["builtin"] / iterations,
+                sent=tracer.totals()["sent"] / iterations, received=tracer.totals()["received"] / iterations,
+                ch01_sent=(p2p.sent_bytes()) / iterations, grad_bytes=params * 4)
 
 
 @row("rpc_parameter_server")
@@ -106,4 +110,5 @@ def rpc_parameter_server_row(repeats: int = 5, world_size: int = 3, iterations: 
     """one iteration of the synchronous batching server (RPC) vs chapter 01's (send/recv)"""
     r = launch(_servers, world_size, repeats, iterations, rpc=True)[1]
     return BenchRow(f"PS iteration, batching server (RPC) vs ch01 (p2p), {r['grad_bytes'] / 2**10:.0f} KB grads, "
-                    f"{world_size - 1} trainers", r["ours"], r["builtin"], r["sent"], r["grad_bytes"])
+                    f"{world_size - 1} trainers", r["ours"], r["builtin"], r["sent"], r["grad_bytes"],
+                    extra={"trainer_received_B": r["received"], "ch01_trainer_sent_B": r["ch01_sent"]})
