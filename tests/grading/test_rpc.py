@@ -13,7 +13,7 @@ rpc_sync to worker0 carrying x (B x H_in x 8 B) and bringing the output back (B 
 rpc.batching_ps: the server's pull/push in one process first (which pull waits, and the one
 update of the mean when every trainer's gradient is in, at staleness 0 and 1); then over RPC,
 synchronous: 5 iterations equal one process's SGD on the global batch AND chapter 01's
-collective parameter server (labkit.dp, the reference solution) on the same data in the same
+collective parameter server (labkit.dp; skipped where chapter 01 is still a stub) on the same data in the same
 job, on every rank; the trace of each trainer is one pull (P x 8 B back) and per iteration one
 push_and_pull (P x 8 B each way). Asynchronous, staleness bound 1, with a straggler forced by an
 event (trainer 2 may not push iteration 0 before trainer 1 reached iteration 1): every logged
@@ -242,13 +242,25 @@ def batching_job(staleness: int) -> None:
     if staleness == 0:
         for p, q in zip(result, global_sgd(batches).parameters()):
             assert_close(p, q, f"{what}: after {STEPS} synchronous iterations vs one process's SGD on the global batch")
-    if staleness == 0 and n > 1:  # chapter 01's collective parameter server, same data, same job
+    if staleness == 0 and n > 1 and dp_server_written():  # chapter 01's collective server, same data, same job
         model = small_model(1)
         opt = torch.optim.SGD(model.parameters(), lr=LR) if rank == 0 else None
         dp.run_parameter_server(model, opt, lambda m, x, y: mse(m(x), y), batches, staleness=0)
         for p, q in zip(result, model.parameters()):
             assert_close(p, q, f"{what}: vs chapter 01's collective parameter server (dp.run_parameter_server)")
     return log_list
+
+
+def dp_server_written() -> bool:
+    """Whether chapter 01's parameter server is implemented here (always in the reference; a
+    learner who skipped chapter 01 is not failed for it: the global-batch SGD check remains)."""
+    import inspect
+
+    from labkit import dp
+    written = not any("NotImplementedError" in inspect.getsource(f) for f in (dp.serve, dp.work))
+    if not written:
+        print("rpc.batching_ps: chapter 01's dp.parameter_server is a stub here: comparison with it skipped")
+    return written
 
 
 def straggler(trainer: int, iteration: int) -> None:
