@@ -3,6 +3,7 @@ under torchrun. The public entry of the process runtime (``labkit.runtime``: the
 the rank server, the rank's own side, deadlock detection, restarts)::
 
     results = labkit.launch(fn, world_size, *args, backend="auto", timeout=120, **kwargs)
+    results = labkit.launch(fn, world_size, *args, rpc=True, **kwargs)  # + torch.distributed.rpc
 
 See ``labkit.runtime.launcher`` for what it promises and how.
 """
@@ -11,9 +12,9 @@ import sys
 
 from labkit.runtime.launcher import (  # noqa: F401 - the public names, and the rank server for tests
     Deadlock, LaunchError, LaunchTimeout, WorkerError, _RankServer, launch, release_process_groups,
-    restart_count, under_torchrun)
+    restart_count, rpc_name, under_torchrun)
 
-__all__ = ["launch", "restart_count", "release_process_groups", "under_torchrun",
+__all__ = ["launch", "restart_count", "rpc_name", "release_process_groups", "under_torchrun",
            "LaunchError", "LaunchTimeout", "Deadlock", "WorkerError"]
 
 

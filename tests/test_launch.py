@@ -347,3 +347,104 @@ def test_a_peer_outside_the_group_is_explained_before_the_transport_sees_it(case
     assert caught.value.rank == 0 and caught.value.exc_type == "ValueError", str(caught.value)
     assert f"names {named} as the peer of a send or receive" in caught.value.message
     assert "dist.get_global_rank(group, r)" in caught.value.message
+
+
+# ----------------------------------------------------------------------------- RPC jobs
+
+
+def _rpc_ring():
+    """Each rank asks its right neighbour, by RPC name, to add to a tensor; the process group
+    is there too."""
+    from torch.distributed import rpc
+    rank, n = dist.get_rank(), dist.get_world_size()
+    right = launch_module.rpc_name((rank + 1) % n)
+    answer = rpc.rpc_sync(right, torch.add, args=(torch.full((2,), float(rank)), 10.0))
+    owned = rpc.remote(right, torch.ones, args=((3,),))  # an RRef owned by the neighbour
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    return rpc.get_worker_info().name, answer.tolist(), owned.to_here().sum().item(), t.item()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_an_rpc_job_names_its_workers_and_keeps_the_process_group(world_size):
+    results = labkit.launch(_rpc_ring, world_size, rpc=True, timeout=60)
+    assert results == [(f"worker{r}", [r + 10.0] * 2, 3.0, float(world_size)) for r in range(world_size)]
+
+
+def _rpc_raise_on(bad_rank, pid_dir):
+    from torch.distributed import rpc
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    dist.barrier()
+    if dist.get_rank() == bad_rank:
+        raise KeyError("no such parameter")
+    rpc.rpc_sync(launch_module.rpc_name(bad_rank), time.sleep, args=(60,))  # never answered
+
+
+def test_a_raising_rank_of_an_rpc_job_is_named_and_nothing_survives(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(labkit.WorkerError) as caught:
+        labkit.launch(_rpc_raise_on, 3, 1, str(tmp_path), rpc=True, timeout=60)
+    assert caught.value.rank == 1 and caught.value.exc_type == "KeyError", str(caught.value)
+    assert time.monotonic() - start < 30, "the failure must be reported at once, not at a timeout"
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    assert len(pids) == 3 and wait_until(lambda: all(map(process_gone, pids)), 5), pids
+
+
+def _rpc_die_mid_call(pid_dir):
+    """Rank 1 dies (os._exit) while rank 0 waits on an RPC it is running."""
+    from torch.distributed import rpc
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        try:
+            rpc.rpc_sync(launch_module.rpc_name(1), os._exit, args=(3,))
+        except RuntimeError as error:
+            raise ConnectionError(f"worker1 went away mid-call: {error}") from None
+    else:
+        time.sleep(60)
+
+
+def test_a_rank_dying_mid_rpc_is_reported_within_the_rpc_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(labkit.WorkerError) as caught:
+        labkit.launch(_rpc_die_mid_call, 2, str(tmp_path), rpc=True, rpc_timeout=20, timeout=60)
+    elapsed = time.monotonic() - start
+    assert caught.value.rank == 1 and caught.value.exc_type == "ProcessExit", str(caught.value)
+    assert "exited with status 3" in caught.value.message
+    # the caller of the lost RPC learned it at once, and its view is in the report
+    assert "ConnectionError: worker1 went away" in caught.value.peer_errors.get(0, ""), caught.value.peer_errors
+    assert elapsed < 20, f"reported after {elapsed:.1f} s: a dead peer must not wait for the RPC timeout"
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    assert len(pids) == 2 and wait_until(lambda: all(map(process_gone, pids)), 5), pids
+
+
+def test_bad_rpc_arguments_fail_before_start(no_process_may_start):
+    with pytest.raises(ValueError, match="rpc=True runs on CPU"):
+        labkit.launch(my_pid, 2, rpc=True, backend="nccl")
+    with pytest.raises(TypeError, match="rpc must be True or False"):
+        labkit.launch(my_pid, 2, rpc="yes")
+    with pytest.raises(ValueError, match="rpc_timeout must be a positive"):
+        labkit.launch(my_pid, 2, rpc=True, rpc_timeout=0)
+    with pytest.raises(ValueError, match="pass it with rpc=True"):
+        labkit.launch(my_pid, 2, rpc_timeout=5)
+
+
+def test_an_rpc_script_runs_under_torchrun(tmp_path):
+    script = tmp_path / "rpc_lab.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist, labkit
+        from torch.distributed import rpc
+        def main():
+            peer = f"worker{(dist.get_rank() + 1) % dist.get_world_size()}"
+            return rpc.get_worker_info().name, rpc.rpc_sync(peer, torch.mul, args=(torch.ones(1), 5.0)).item()
+        if __name__ == "__main__":
+            results = labkit.launch(main, int(os.environ.get("WORLD_SIZE", 2)), rpc=True)
+            print(f"rank {os.environ.get('RANK')} got {results}")
+    """))
+    env = dict(os.environ, PYTHONPATH=LABKIT_ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(2):
+        assert f"rank {rank} got [('worker0', 5.0), ('worker1', 5.0)]" in proc.stdout, proc.stdout + proc.stderr

@@ -8,4 +8,4 @@ it imports nothing, so the quick commands stay quick.
 
 CHAPTERS = {"00": "collectives", "01": "dp", "02": "ddp", "03": "zero", "04": "fsdp",
             "05": "tp", "06": "pp", "07": "sp", "08": "mesh", "09": "elastic",
-            "10": "moe", "11": "compress", "12": "recompute"}
+            "10": "moe", "11": "compress", "12": "recompute", "13": "rpc"}

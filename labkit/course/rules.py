@@ -58,6 +58,11 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
                    "torch.distributed.algorithms", "torch.nn.parallel"),
                   "chapter 12 builds recomputation, offloading and accumulation (torch.utils.checkpoint, "
                   "save_on_cpu, CPUOffloadPolicy and no_sync are the oracles)"),
+    "rpc": (_COLLECTIVES + _DDP + ("torch.distributed.send", "torch.distributed.recv", "torch.distributed.isend",
+                                   "torch.distributed.irecv", "torch.distributed.batch_isend_irecv",
+                                   "torch.distributed.pipelining", "torch.distributed.nn.api.remote_module"),
+            "chapter 13 builds its servers and pipeline on RPC alone (no collectives or send/recv; "
+            "RemoteModule and torch.distributed.pipelining are not the exercise)"),
 }
 
 

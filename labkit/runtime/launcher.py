@@ -28,6 +28,26 @@ launch costs about a tenth of a second instead of seconds. What the launcher pro
 * under ``torchrun`` the same call runs ``fn`` in-process on this rank instead, and the
   process group it made is destroyed at exit (a gloo group left alive can abort the
   process while the interpreter shuts down).
+
+RPC jobs (``launch(fn, n, rpc=True)``, chapter 13): every rank also joins
+``torch.distributed.rpc`` (TensorPipe) as ``rpc_name(rank)``, "worker0" .. "worker{n-1}",
+before ``fn`` runs; the default (gloo) process group stays available too (it costs ~0.03 s
+and lets a test compare an RPC design with a collective one in the same job). RPC agents
+rendezvous through the process group's store, under a prefix of their own, so no second port
+is needed, and torchrun's round store serves the same purpose there. ``rpc_timeout``
+(default ``timeout + 60``, like the process group's: our own timeout should fire first) is the
+agents' default per-call timeout. Exits, each one kept:
+
+* ``fn`` returns: ``rpc.shutdown()`` (graceful: a barrier that waits until every rank's
+  ``fn`` returned and every outstanding RPC and RRef message is done), then the result is
+  written; a rank may still be serving others while its own ``fn`` has returned;
+* ``fn`` raises: the rank reports and exits at once (no graceful shutdown: its peers would
+  be waited for); its sockets close, so a peer's pending RPC to it fails at once with a
+  connection error rather than at the RPC timeout;
+* a rank dies (``os._exit``, a signal): the same for its peers; ``WorkerError`` names the dead
+  rank, and for RPC jobs the launcher waits up to ``PEER_REPORT_WAIT`` seconds for the
+  others' view of it (a server's "trainer 2 died mid-step"), kept in ``error.peer_errors``;
+* a hang: ``LaunchTimeout`` with stacks, as for any job; the ranks are killed, not shut down.
 """
 
 from __future__ import annotations
@@ -56,6 +76,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
 KILL_GRACE = 2.0        # seconds between SIGTERM and SIGKILL when stopping ranks
 REAP_SLACK = 0.5        # seconds a death may precede the rank server's record of it
+PEER_REPORT_WAIT = 1.0  # RPC jobs: seconds the other ranks get to report a failure they saw
+RPC_STORE_PREFIX = "labkit/rpc/"  # the RPC agents' rendezvous keys, beside the process group's
 OWN_FRAMES = ("labkit/runtime/worker.py", "labkit/runtime/rankserver.py", "labkit/runtime/deadlock.py",
               "<frozen runpy>")  # the launcher's frames: never what the learner wants to see
 
@@ -67,12 +89,18 @@ class LaunchError(RuntimeError):
 class WorkerError(LaunchError):
     """A rank raised (or died). ``rank``, ``exc_type``, ``message``, ``remote_traceback``."""
 
-    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str):
+    def __init__(self, rank: int, exc_type: str, message: str, remote_traceback: str,
+                 peer_errors: dict[int, str] | None = None):
         self.rank, self.exc_type, self.message = rank, exc_type, message
         self.remote_traceback = remote_traceback
+        # What the other ranks raised after it (RPC jobs): "ExcType: message" by rank.
+        self.peer_errors = dict(peer_errors or {})
+        seen = "".join(f"\n  rank {r}: {what.splitlines()[0] if what else ''}"
+                       for r, what in sorted(self.peer_errors.items()))
         super().__init__(
             f"rank {rank} raised {exc_type}: {message}\n\n"
             f"--- remote traceback (rank {rank}) ---\n{remote_traceback.rstrip()}"
+            + (f"\n\n--- what the other ranks then raised ---{seen}" if seen else "")
         )
 
 
@@ -132,6 +160,25 @@ def _check_arguments(fn, world_size) -> int:
     return world_size
 
 
+def rpc_name(rank: int) -> str:
+    """The RPC name of ``rank`` in a ``launch(..., rpc=True)`` job (and under torchrun)."""
+    return f"worker{rank}"
+
+
+def _check_rpc(rpc, rpc_timeout, backend: str) -> None:
+    if not isinstance(rpc, bool):
+        raise TypeError(f"rpc must be True or False, got {rpc!r}")
+    if rpc_timeout is not None and (isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float))
+                                    or rpc_timeout <= 0):
+        raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+    if rpc_timeout is not None and not rpc:
+        raise ValueError("rpc_timeout is the RPC agents' timeout: pass it with rpc=True")
+    if rpc and backend == "nccl":
+        raise ValueError("rpc=True runs on CPU: RRefs, distributed autograd and DistributedOptimizer "
+                         "take CPU tensors only, so the job's process group is gloo. "
+                         "Use backend='gloo' or 'auto'.")
+
+
 def under_torchrun() -> bool:
     """True inside a process started by torchrun (and not inside one of our own ranks)."""
     env = os.environ
@@ -142,7 +189,7 @@ def under_torchrun() -> bool:
 
 
 def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock=True, max_restarts=0,
-           **kwargs) -> list:
+           rpc=False, rpc_timeout=None, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return their results in rank order.
 
     ``backend``: "auto" (NCCL with a GPU per rank, else gloo), "gloo" or "nccl".
@@ -154,21 +201,26 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
     many times (under torchrun, restarts are torchrun's own). The ranks of attempt k
     see ``restart_count() == k`` (env ``LABKIT_RESTART_COUNT`` and, as under torchrun,
     ``TORCHELASTIC_RESTART_COUNT``): resuming from a checkpoint is theirs to do (chapter 09).
+    ``rpc``: also start ``torch.distributed.rpc`` on every rank, named ``rpc_name(rank)``,
+    and shut it down after ``fn`` (see the module docstring); the process group is gloo.
+    ``rpc_timeout``: the RPC agents' default timeout per call (default ``timeout + 60``).
     """
     world_size = _check_arguments(fn, world_size)
+    _check_rpc(rpc, rpc_timeout, backend)
     if "LABKIT_RANK" in os.environ:
         raise RuntimeError("launch() was called from inside a rank; launches do not nest")
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, args, kwargs, backend)
-    backend = resolve_backend(backend, world_size)
+        return _run_under_torchrun(fn, world_size, args, kwargs, "gloo" if rpc else backend, rpc, rpc_timeout)
+    backend = "gloo" if rpc else resolve_backend(backend, world_size)
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
     payload = _serialise(fn, args, kwargs)  # fails here, before any process starts
+    rpc_options = dict(rpc_timeout=rpc_timeout or timeout + 60) if rpc else None
     for restart in range(max_restarts + 1):
         try:
-            return _launch_once(payload, world_size, backend, timeout, detect_deadlock, restart)
+            return _launch_once(payload, world_size, backend, timeout, detect_deadlock, restart, rpc_options)
         except WorkerError as error:
             if restart == max_restarts or error.exc_type == "NotImplementedError":
                 raise  # a stub fails the same way every time: restarting would only repeat it
@@ -197,7 +249,7 @@ def restart_count() -> int:
 
 
 def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, detect_deadlock: bool,
-                 restart: int) -> list:
+                 restart: int, rpc_options: dict | None = None) -> list:
     with tempfile.TemporaryDirectory(prefix="labkit-") as rundir:
         with open(os.path.join(rundir, "payload.pkl"), "wb") as f:
             f.write(payload)
@@ -207,9 +259,10 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
         server, ranks = _RankServer.get(), []
         try:
             for rank in range(world_size):
-                ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout, restart))
+                ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout, restart,
+                                         rpc_options))
             detector = deadlock.Detector(ranks, _dump_stacks, backend) if detect_deadlock else None
-            return _supervise(server, ranks, timeout, detector)
+            return _supervise(server, ranks, timeout, detector, PEER_REPORT_WAIT if rpc_options else 0.0)
         finally:
             _stop(ranks)
             del store
@@ -287,7 +340,7 @@ def _caller_path() -> str:
     return os.pathsep.join(p or os.getcwd() for p in sys.path)
 
 
-def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restart=0) -> _Rank:
+def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restart=0, rpc_options=None) -> _Rank:
     env = dict(os.environ)
     env.update(
         LABKIT_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -301,6 +354,7 @@ def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restar
         env=env, sys_path=[p or os.getcwd() for p in sys.path], cwd=os.getcwd(),
         threads=max(1, (os.cpu_count() or 1) // world_size), server_pid=server.proc.pid,
         out_file=rank_info.path("out", "log"), exit_file=rank_info.path("exit", "txt"),
+        rpc=rpc_options,
     )
     spec_path = rank_info.path("spec", "json")
     with open(spec_path, "w") as f:
@@ -309,7 +363,8 @@ def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restar
     return rank_info
 
 
-def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector) -> list:
+def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector,
+               peer_report_wait: float = 0.0) -> list:
     """Relay output until every rank is done, one fails, they deadlock, or the deadline passes."""
     start = time.monotonic()
     deadline = start + timeout
@@ -320,6 +375,9 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector
         # A rank that succeeded waits to be stopped, so any exit so far is a failure.
         failed = [r for r in ranks if r.poll() is not None]
         if failed:
+            if peer_report_wait:  # RPC: give the others a moment to say what they saw
+                _wait_for_reports(ranks, peer_report_wait)
+                failed = [r for r in ranks if r.poll() is not None]
             error = _first_failure(ranks, failed)
             break
         if all(r.finished() for r in ranks):
@@ -382,7 +440,18 @@ def _first_failure(ranks: list[_Rank], failed: list[_Rank]) -> WorkerError:
                                 message=f"the rank's process {why} without raising",
                                 traceback=_crash_report(r)))
     first = min(reports, key=lambda e: (e["time"], e["rank"]))
-    return WorkerError(first["rank"], first["exc_type"], first["message"], first["traceback"])
+    later = {e["rank"]: f"{e['exc_type']}: {e['message']}" for e in reports if e is not first}
+    return WorkerError(first["rank"], first["exc_type"], first["message"], first["traceback"], later)
+
+
+def _wait_for_reports(ranks: list[_Rank], seconds: float) -> None:
+    """Until every rank has exited or finished, or ``seconds`` passed: in an RPC job a peer's
+    pending call to a dead rank fails at once, and its report says what the failure meant."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if all(r.poll() is not None or r.finished() for r in ranks):
+            return
+        time.sleep(0.02)
 
 
 def _crash_report(r: _Rank) -> str:
@@ -468,7 +537,7 @@ def _signal(r: _Rank, sig: int, group: bool = True) -> None:
 # ----------------------------------------------------------------------------- torchrun
 
 
-def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
+def _run_under_torchrun(fn, world_size, args, kwargs, backend, rpc=False, rpc_timeout=None) -> list:
     """torchrun already started the ranks: run here, then share the results with every rank."""
     env_world = int(os.environ["WORLD_SIZE"])
     if world_size != env_world:
@@ -484,10 +553,53 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend) -> list:
         # Ours to clean up. Left to interpreter shutdown, gloo's worker threads may still be
         # releasing the last op's tensors, which needs the GIL: the process aborts (SIGABRT).
         atexit.register(_destroy_process_group)
-    result = fn(*args, **kwargs)
+    from torch.distributed.rpc.api import _is_current_rpc_agent_set
+    own_agent = rpc and not _is_current_rpc_agent_set()  # ours to start and to shut down
+    if own_agent:
+        start_rpc(int(os.environ["RANK"]), env_world, rpc_timeout or 900.0)
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException:
+        if own_agent:  # a local shutdown: a graceful one would wait for peers that wait for us
+            stop_rpc(graceful=False)
+        raise
     results = [None] * world_size
     dist.all_gather_object(results, result)
+    if own_agent:
+        stop_rpc(graceful=True)
     return results
+
+
+# ----------------------------------------------------------------------------- RPC agents
+
+
+_RPC_SCHEME = "labkit-rpc"
+
+
+def start_rpc(rank: int, world_size: int, rpc_timeout: float) -> None:
+    """``rpc.init_rpc`` as ``rpc_name(rank)``, rendezvousing through the process group's store.
+
+    ``init_rpc`` finds its store by URL; our handler answers with the default group's store
+    under ``RPC_STORE_PREFIX``, so the agents need no port of their own."""
+    import warnings
+    from torch.distributed import rpc
+
+    def handler(url, rank=-1, world_size=-1, **kwargs):
+        yield dist.PrefixStore(RPC_STORE_PREFIX, dist.distributed_c10d._get_default_store()), rank, world_size
+
+    dist.register_rendezvous_handler(_RPC_SCHEME, handler)
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"{_RPC_SCHEME}://", rpc_timeout=rpc_timeout)
+    with warnings.catch_warnings():  # the TensorPipe agent's own use of a deprecated gloo API
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+        rpc.init_rpc(rpc_name(rank), rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def stop_rpc(graceful: bool = True, timeout: float = 0) -> None:
+    """``rpc.shutdown``: graceful is a barrier of every agent, local ends only this one."""
+    from torch.distributed import rpc
+    from torch.distributed.rpc.api import _is_current_rpc_agent_set
+    if _is_current_rpc_agent_set():
+        rpc.shutdown(graceful=graceful, **({"timeout": timeout} if timeout else {}))
 
 
 def _torchrun_store():

@@ -22,7 +22,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.runtime import deadlock
+from labkit.runtime import deadlock, launcher
 
 OVERRIDES_ENV = "LABKIT_MODULE_OVERRIDES"  # JSON {exercise module: source file} (mutation testing)
 COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
@@ -86,7 +86,13 @@ def run_rank(spec: dict) -> None:
             fn, args, kwargs = cloudpickle.load(f)
         _init_process_group(rank, spec["world_size"], spec["backend"], spec["timeout"])
         check_peers()
+        if spec.get("rpc"):  # launch(..., rpc=True): an RPC agent beside the process group
+            launcher.start_rpc(rank, spec["world_size"], spec["rpc"]["rpc_timeout"])
         result = _run_user_function(fn, args, kwargs)
+        if spec.get("rpc"):
+            # Graceful: wait until every rank's fn returned and the RPCs and RRef messages in
+            # flight are done (a rank serves the others after its own fn returned).
+            launcher.stop_rpc(graceful=True)
         _flush()
         _write_atomically(os.path.join(rundir, f"result_{rank}.pkl"), result)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the caller
@@ -94,7 +100,9 @@ def run_rank(spec: dict) -> None:
                       message=str(exc), traceback=_user_traceback(exc))
         _flush()
         _write_atomically(os.path.join(rundir, f"error_{rank}.pkl"), report)
-        os._exit(1)  # skip interpreter teardown: a peer may be blocked talking to us
+        # Skip interpreter teardown (and, in an RPC job, the agent's shutdown): a peer may be
+        # blocked talking to us, and our closing sockets tell it at once.
+        os._exit(1)
     _wait_for_peers()
 
 
