@@ -53,8 +53,20 @@ from torch.distributed.optim import DistributedOptimizer
 from labkit.dp import ServerLog
 
 # DistributedOptimizer builds TorchScript functional optimizers on the parameters' owners,
-# which torch now warns about on every owner; the API works (it is in maintenance mode).
-warnings.filterwarnings("ignore", message=".*TorchScript.*functional optimizers", category=DeprecationWarning)
+# and torch warns about that on every owner, inside ``catch_warnings`` + ``simplefilter
+# ("always")``, so no filter can silence it. The API works (it is in maintenance mode), and
+# the warning would fill every notebook cell: drop that one message where warnings are shown.
+_SCRIPTED_OPTIMIZER_NOTE = "`TorchScript` support for functional optimizers is deprecated"
+
+
+def _show_warning_but_the_scripted_optimizer_note(message, *args, _show=warnings.showwarning, **kwargs):
+    if _SCRIPTED_OPTIMIZER_NOTE not in str(message):
+        _show(message, *args, **kwargs)
+
+
+if not getattr(warnings.showwarning, "_labkit_rpc", False):
+    _show_warning_but_the_scripted_optimizer_note._labkit_rpc = True
+    warnings.showwarning = _show_warning_but_the_scripted_optimizer_note
 
 # ----------------------------------------------------------------------------- tracing RPCs
 
@@ -199,7 +211,9 @@ def connect(owner: str, name: str, timeout: float = 60.0) -> torch_rpc.RRef:
 # that edge into the server's model, and a DistributedOptimizer applies it where the
 # parameters live. Per step, per trainer: one rpc_sync carrying the batch x (B x H_in x b
 # bytes) and bringing back the output (B x H_out x b); backward sends the output's gradient
-# (B x H_out x b) to the server; the optimizer step is one message to the owner.
+# (B x H_out x b) to the server; the optimizer step is one message to the owner. (The design
+# of PyTorch's tutorial "Implementing a Parameter Server Using Distributed RPC Framework",
+# pytorch.org/tutorials/intermediate/rpc_param_server_tutorial.html.)
 
 
 class ParameterServer:
@@ -298,12 +312,15 @@ def train_remote(server: torch_rpc.RRef, loss_fn, batches: list[tuple], lr: floa
 # (their mean, so n trainers on n shards step like one process on the whole batch), then
 # answers with the new parameters. It answers from @async_execution functions: such a
 # function returns a Future, and the RPC's reply is sent when that future completes, so the
-# server's thread is free while a trainer waits for the others.
+# server's thread is free while a trainer waits for the others (PyTorch's tutorial
+# "Implementing Batch RPC Processing Using Asynchronous Executions",
+# pytorch.org/tutorials/intermediate/rpc_async_execution.html).
 #
 # Versions and staleness as in chapter 01 (labkit.dp): version v is the model after v
 # updates; update i averages the gradients of iteration i; a trainer asking for the
 # parameters of iteration i gets version v once v >= i - staleness (staleness 0: synchronous
-# SGD). The gradient of iteration i computed on version v has staleness i - v <= the bound.
+# SGD). The gradient of iteration i computed on version v has staleness i - v <= the bound
+# (stale synchronous parallel, Ho et al., NeurIPS 2013).
 # Per iteration, per trainer: one rpc_sync carrying the flat gradient (P x b bytes) and
 # bringing back the flat parameters (P x b bytes): 2 n P b through the server per update.
 
@@ -465,7 +482,9 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
 # stage 1 works on micro-batch i + 1 while stage 2 works on micro-batch i; a lock per stage
 # keeps one micro-batch at a time in each stage. Under a dist_autograd context the backward
 # pass follows the same edges in reverse. Per micro-batch: x to stage 1 (B/M x H x b), the
-# activation from stage 1 to stage 2, the output back to the driver.
+# activation from stage 1 to stage 2, the output back to the driver. (PyTorch's tutorial
+# "Distributed Pipeline Parallelism Using RPC",
+# pytorch.org/tutorials/intermediate/dist_pipeline_parallel_tutorial.html.)
 
 
 class Stage:

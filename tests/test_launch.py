@@ -418,6 +418,26 @@ def test_a_rank_dying_mid_rpc_is_reported_within_the_rpc_timeout(tmp_path):
     assert len(pids) == 2 and wait_until(lambda: all(map(process_gone, pids)), 5), pids
 
 
+def _block_forever():
+    threading.Event().wait()
+
+
+def _rpc_wait_forever(pid_dir):
+    """Rank 0 calls a function on worker1 that never returns."""
+    from torch.distributed import rpc
+    open(os.path.join(pid_dir, str(os.getpid())), "w").close()
+    if dist.get_rank() == 0:
+        rpc.rpc_sync(launch_module.rpc_name(1), _block_forever)
+
+
+def test_a_hung_rpc_is_a_launch_timeout_with_stacks(tmp_path):
+    with pytest.raises(labkit.LaunchTimeout) as caught:
+        labkit.launch(_rpc_wait_forever, 2, str(tmp_path), rpc=True, timeout=4)
+    assert "_rpc_wait_forever" in caught.value.stacks[0], caught.value.stacks
+    pids = [int(p) for p in os.listdir(tmp_path)]
+    assert len(pids) == 2 and wait_until(lambda: all(map(process_gone, pids)), 5), pids
+
+
 def test_bad_rpc_arguments_fail_before_start(no_process_may_start):
     with pytest.raises(ValueError, match="rpc=True runs on CPU"):
         labkit.launch(my_pid, 2, rpc=True, backend="nccl")

@@ -76,7 +76,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
 KILL_GRACE = 2.0        # seconds between SIGTERM and SIGKILL when stopping ranks
 REAP_SLACK = 0.5        # seconds a death may precede the rank server's record of it
-PEER_REPORT_WAIT = 1.0  # RPC jobs: seconds the other ranks get to report a failure they saw
+PEER_REPORT_WAIT = 2.0  # RPC jobs: seconds the other ranks get to report a failure they saw
 RPC_STORE_PREFIX = "labkit/rpc/"  # the RPC agents' rendezvous keys, beside the process group's
 OWN_FRAMES = ("labkit/runtime/worker.py", "labkit/runtime/rankserver.py", "labkit/runtime/deadlock.py",
               "<frozen runpy>")  # the launcher's frames: never what the learner wants to see
@@ -210,7 +210,8 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
     if "LABKIT_RANK" in os.environ:
         raise RuntimeError("launch() was called from inside a rank; launches do not nest")
     if under_torchrun():
-        return _run_under_torchrun(fn, world_size, args, kwargs, "gloo" if rpc else backend, rpc, rpc_timeout)
+        return _run_under_torchrun(fn, world_size, args, kwargs, "gloo" if rpc else backend, rpc,
+                                   rpc_timeout or timeout + 60)
     backend = "gloo" if rpc else resolve_backend(backend, world_size)
     if not timeout or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -556,7 +557,7 @@ def _run_under_torchrun(fn, world_size, args, kwargs, backend, rpc=False, rpc_ti
     from torch.distributed.rpc.api import _is_current_rpc_agent_set
     own_agent = rpc and not _is_current_rpc_agent_set()  # ours to start and to shut down
     if own_agent:
-        start_rpc(int(os.environ["RANK"]), env_world, rpc_timeout or 900.0)
+        start_rpc(int(os.environ["RANK"]), env_world, rpc_timeout or 180.0)
     try:
         result = fn(*args, **kwargs)
     except BaseException:

@@ -18,6 +18,7 @@ from labkit.course.bench import (  # noqa: F401 - importing a chapter registers 
     ch10_moe,
     ch11_compress,
     ch12_recompute,
+    ch13_rpc,
 )
 from labkit.course.bench.runner import (
     ROWS,
