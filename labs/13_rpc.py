@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
-from torch.distributed.optim import DistributedOptimizer
 
 from labkit.check import mismatch, not_implemented
 from labkit.course.labscript import lab_arguments
@@ -279,7 +278,7 @@ def check_pipeline() -> dict:
                     ref_loss.backward()
                     grads_ok &= same(grads, [p.grad for p in reference.parameters()])
                     if optimizer is None:
-                        optimizer = DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=LR)
+                        optimizer = R.DistributedOptimizer(torch.optim.SGD, pipe.parameter_rrefs(), lr=LR)
                     optimizer.step(context_id)
                 with torch.no_grad():
                     for p in reference.parameters():
