@@ -44,7 +44,7 @@ from labkit.launch import WorkerError, launch, release_process_groups, under_tor
 
 H_IN, H_HID, H_OUT, BATCH, STEPS, LR = 4, 6, 2, 12, 5, 0.1
 STALENESS, MICRO, PIPE_STEPS = 1, 3, 3
-STAGE_WORK = 0.05  # seconds each stage "computes" per micro-batch in the first pipeline step (a sleep)
+STAGE_WORK = 0.1  # seconds each stage "computes" per micro-batch in the first pipeline step (a sleep)
 TASKS = ("rpc.remote_ps", "rpc.batching_ps", "rpc.pipeline")
 
 
