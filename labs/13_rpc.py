@@ -17,7 +17,9 @@ worker0 is the server (and the pipeline's driver), workers 1..n-1 the trainers; 
   the unsplit model's, 3 DistributedOptimizer steps equal local SGD, stage 1 starts micro-batch
   i + 1 before stage 2 has finished micro-batch i, and the traced messages per micro-batch;
 * chapter 01's collective parameter server (``labkit.dp``) on the same data in the same job:
-  the same parameters as the synchronous RPC server.
+  the same parameters as the synchronous RPC server;
+* (3 or more workers, not under torchrun) a trainer that dies mid-step: the launch names it and
+  the server raised ``TrainerLost`` naming it.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
@@ -307,6 +309,48 @@ def expected_pipeline_traces(rows: list[int], first: str, last: str) -> tuple[Co
     return driver, stage2
 
 
+# ----------------------------------------------------------------------------- a trainer dies
+
+
+def die_before_push(trainer: int, iteration: int) -> None:
+    if trainer == 2 and iteration == 1:
+        os._exit(1)  # mid-step: its gradient of iteration 1 is computed, never pushed
+
+
+def dying_job() -> None:
+    from labkit import rpc as R
+    rank, n = dist.get_rank(), dist.get_world_size()
+    trainers = trainers_of(n)
+    batches = [batch(step, 3) for step in range(STEPS)]
+    if rank == 0:
+        server = R.start_batching_server(small_model(1), len(trainers), LR, name="dying")
+    dist.barrier()
+    if rank == 0:
+        server.wait_until_done(STEPS, [f"worker{t}" for t in trainers])
+    else:
+        R.train_batching(R.connect("worker0", "dying"), rank, small_model(1), mse,
+                         shards_of(batches, trainers, rank), before_push=die_before_push)
+
+
+def check_dying_trainer(args) -> bool:
+    """A second job (not under torchrun, where a dead rank ends the whole run): worker2 exits
+    before pushing; the launch must name it, and the server must have raised TrainerLost."""
+    start = time.monotonic()
+    try:
+        relayed = io.StringIO()  # the ranks' output: TensorPipe logs the broken connection there
+        with contextlib.redirect_stdout(relayed), contextlib.redirect_stderr(relayed):
+            launch(dying_job, 3, backend=args.backend, timeout=args.timeout, rpc=True)
+    except WorkerError as error:
+        seconds, server_saw = time.monotonic() - start, error.peer_errors.get(0, "")
+        print(f"\na trainer that dies mid-step: WorkerError after {seconds:.1f} s naming rank {error.rank}; "
+              f"the server raised: {server_saw.split(':')[0] or 'nothing'}")
+        ok = error.rank == 2 and server_saw.startswith("TrainerLost") and "worker2" in server_saw
+        print(f"{'ok  ' if ok else 'FAIL'} a dead trainer: the launch names rank 2, the server's TrainerLost names worker2")
+        return ok
+    print("FAIL a dead trainer: the launch returned normally")
+    return False
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -431,6 +475,8 @@ def run(args) -> None:
     else:
         with contextlib.redirect_stdout(io.StringIO()):
             ok = report(results)
+    if not under_torchrun() and world_size >= 3:  # needs two trainers: one dies, one waits
+        ok &= check_dying_trainer(args)
     release_process_groups()
     sys.exit(0 if ok else 1)
 
