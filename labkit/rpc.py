@@ -135,11 +135,19 @@ def _peer(to) -> str:
     return to.name if isinstance(to, torch_rpc.WorkerInfo) else str(to)
 
 
+def _raise_if_error(value):
+    """An ``@async_execution`` function whose future failed (``set_exception``) reaches the
+    caller as the exception object, returned rather than raised (torch 2.13): raise it."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
 def rpc_sync(to, fn, *args, **kwargs):
     """``torch.distributed.rpc.rpc_sync(to, fn, args, kwargs)``, traced."""
     message = Message("rpc_sync", _peer(to), _name(fn), tensor_bytes((args, kwargs)))
     RpcTracer.record(message)
-    result = torch_rpc.rpc_sync(to, fn, args=args, kwargs=kwargs)
+    result = _raise_if_error(torch_rpc.rpc_sync(to, fn, args=args, kwargs=kwargs))
     message.received = tensor_bytes(result)
     return result
 
@@ -151,7 +159,7 @@ def rpc_async(to, fn, *args, **kwargs) -> torch.futures.Future:
     RpcTracer.record(message)
 
     def count_reply(fut):
-        message.received = tensor_bytes(fut.value())
+        message.received = tensor_bytes(_raise_if_error(fut.value()))
         return fut.value()
 
     return torch_rpc.rpc_async(to, fn, args=args, kwargs=kwargs).then(count_reply)

@@ -354,20 +354,9 @@ def check_dying_trainer(args) -> bool:
 # ----------------------------------------------------------------------------- the job
 
 
-def quiet_optimizer_notice() -> None:
-    # DistributedOptimizer's TorchScript path is deprecated and torch says so on every owner under
-    # simplefilter("always"), which no filter overrides: drop that one notice where it is shown.
-    show = warnings.showwarning
-
-    def showwarning(message, category, *args, **kwargs):
-        if "support for functional optimizers is deprecated" not in str(message):
-            show(message, category, *args, **kwargs)
-    warnings.showwarning = showwarning
-
-
 def main() -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
-    quiet_optimizer_notice()
+    import labkit.rpc  # noqa: F401 - importing it also drops torch's TorchScript-optimizer notice
     torch.set_num_threads(1)
     publish(TimedStage)
     rank, n = dist.get_rank(), dist.get_world_size()

@@ -459,8 +459,10 @@ def test_a_dying_trainer_is_reported_at_the_server():
     assert error.rank == 2 and error.exc_type == "ProcessExit", f"the dead trainer is the cause: {error}"
     seen = error.peer_errors.get(0, "")
     assert seen.startswith("TrainerLost") and "worker2" in seen, (
-        f"the server must raise TrainerLost naming worker2, within a second; it raised {seen!r}")
-    assert time.monotonic() - start < 30, "a dead trainer must be reported at once, not at a timeout"
+        f"the server must raise TrainerLost naming worker2 (its pings notice the death); it raised {seen!r}")
+    # Bounded by what a missed detection costs (the RPC timeout, timeout + 60 = 120 s), not by
+    # a quiet machine's time: the pings find the dead trainer within a second or two.
+    assert time.monotonic() - start < 30, "a dead trainer must be reported at once, not at the RPC timeout"
 
 
 @task("rpc.pipeline", points=3)
