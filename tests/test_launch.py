@@ -310,6 +310,16 @@ def test_launches_do_not_nest():
 # ----------------------------------------------------------------------------- torchrun
 
 
+def run_under_torchrun(script, ranks: int = 2) -> str:
+    """``torchrun --standalone`` on ``script`` (run in its folder); its stdout, once it exited 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(script)], env=dict(os.environ, PYTHONPATH=LABKIT_ROOT), cwd=script.parent,
+        capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
 def test_the_same_script_runs_under_torchrun(tmp_path):
     script = tmp_path / "lab.py"
     script.write_text(textwrap.dedent("""
@@ -322,13 +332,9 @@ def test_the_same_script_runs_under_torchrun(tmp_path):
             results = labkit.launch(main, int(os.environ.get("WORLD_SIZE", 2)), 10)
             print(f"rank {os.environ.get('RANK')} got {results}")
     """))
-    env = dict(os.environ, PYTHONPATH=LABKIT_ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = run_under_torchrun(script)
     for rank in range(2):
-        assert f"rank {rank} got [(0, 30.0), (1, 30.0)]" in proc.stdout, proc.stdout + proc.stderr
+        assert f"rank {rank} got [(0, 30.0), (1, 30.0)]" in stdout, stdout
 
 
 def _send_outside(case: str) -> None:
@@ -461,10 +467,6 @@ def test_an_rpc_script_runs_under_torchrun(tmp_path):
             results = labkit.launch(main, int(os.environ.get("WORLD_SIZE", 2)), rpc=True)
             print(f"rank {os.environ.get('RANK')} got {results}")
     """))
-    env = dict(os.environ, PYTHONPATH=LABKIT_ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stdout = run_under_torchrun(script)
     for rank in range(2):
-        assert f"rank {rank} got [('worker0', 5.0), ('worker1', 5.0)]" in proc.stdout, proc.stdout + proc.stderr
+        assert f"rank {rank} got [('worker0', 5.0), ('worker1', 5.0)]" in stdout, stdout
