@@ -131,6 +131,9 @@ def remote_ps_on_rank() -> None:
             dist.barrier(group=_trainer_group(trainers))
         for p, q in zip(R.rpc_sync("worker0", R.server_parameters, server), reference.parameters()):
             assert_close(p, q, f"{what}: the server's parameters after step {step} vs one process's SGD")
+        # every trainer reads them before the next turn changes them (a slow reader would
+        # otherwise see the next step's update)
+        dist.barrier(group=_trainer_group(trainers))
 
 
 _GROUPS = {}
