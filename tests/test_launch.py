@@ -413,13 +413,14 @@ def _rpc_die_mid_call(pid_dir):
 def test_a_rank_dying_mid_rpc_is_reported_within_the_rpc_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(labkit.WorkerError) as caught:
-        labkit.launch(_rpc_die_mid_call, 2, str(tmp_path), rpc=True, rpc_timeout=20, timeout=60)
+        labkit.launch(_rpc_die_mid_call, 2, str(tmp_path), rpc=True, rpc_timeout=45, timeout=90)
     elapsed = time.monotonic() - start
     assert caught.value.rank == 1 and caught.value.exc_type == "ProcessExit", str(caught.value)
     assert "exited with status 3" in caught.value.message
     # the caller of the lost RPC learned it at once, and its view is in the report
     assert "ConnectionError: worker1 went away" in caught.value.peer_errors.get(0, ""), caught.value.peer_errors
-    assert elapsed < 20, f"reported after {elapsed:.1f} s: a dead peer must not wait for the RPC timeout"
+    # bounded by what a missed detection costs (the RPC timeout, 45 s), not by a quiet machine's time
+    assert elapsed < 45, f"reported after {elapsed:.1f} s: a dead peer must not wait for the RPC timeout"
     pids = [int(p) for p in os.listdir(tmp_path)]
     assert len(pids) == 2 and wait_until(lambda: all(map(process_gone, pids)), 5), pids
 

@@ -76,7 +76,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
 KILL_GRACE = 2.0        # seconds between SIGTERM and SIGKILL when stopping ranks
 REAP_SLACK = 0.5        # seconds a death may precede the rank server's record of it
-PEER_REPORT_WAIT = 2.0  # RPC jobs: seconds the other ranks get to report a failure they saw
+PEER_REPORT_WAIT = 5.0  # RPC jobs: seconds the other ranks get to report a failure they saw (the wait
+                        # ends as soon as every rank has exited: usually in milliseconds)
 RPC_STORE_PREFIX = "labkit/rpc/"  # the RPC agents' rendezvous keys, beside the process group's
 OWN_FRAMES = ("labkit/runtime/worker.py", "labkit/runtime/rankserver.py", "labkit/runtime/deadlock.py",
               "<frozen runpy>")  # the launcher's frames: never what the learner wants to see
