@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.course.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, report_checks, run_lab
 
 HIDDEN, FFN, EXPERTS, TOP_K, FACTOR, TOKENS, STEPS = 16, 32, 4, 2, 1.25, 32, 5
 TASKS = ("moe.router", "moe.capacity", "moe.dispatch", "moe.layer", "moe.ep_dp")
@@ -181,10 +181,9 @@ def report_layer(results: list[dict]) -> bool:
               "expert weights after 5 steps equal": all(r["layer"]["weights_ok"] for r in results),
               "all-to-all bytes = routed rows x H x 8 (+ E x 8 counts)": all(r["layer"]["bytes_ok"] for r in results),
               "same losses on every rank": all(r["layer"]["losses"] == first["losses"] for r in results)}
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    ok = report_checks(checks)
     print()
-    return all(checks.values())
+    return ok
 
 
 def report_ep_dp(results: list[dict]) -> bool:

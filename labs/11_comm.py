@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from labkit.check import mismatch, tolerance
 from labkit.comm import CommTracer, wire_bytes
-from labkit.course.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, report_checks, run_lab
 
 STEPS, NUMEL = 5, 2 ** 16 + 3
 TASKS = ("compress.fp16", "compress.powersgd", "compress.topk", "compress.hierarchical",
@@ -200,10 +200,9 @@ def report_hooks(results) -> bool:
         print(f"  {name:14s} {d:.2e}")
     checks = {"fp16: your hook = torch's fp16_compress_hook, bit for bit, every rank": all(r["hooks"]["fp16_equal"] for r in results),
               "PowerSGD: your hook = torch's powerSGD_hook (1e-9), every rank": all(r["hooks"]["powersgd_equal"] for r in results)}
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    ok = report_checks(checks)
     print()
-    return all(checks.values())
+    return ok
 
 
 def report_bytes(results) -> bool:
@@ -268,10 +267,9 @@ def report_chapter02_ddp(results) -> bool:
         print(f"  {name:14s} {d:.2e}")
     checks = {"fp16: equal within fp16's tolerance (labkit.check), every rank": all(r["chapter02"]["fp16_close"] for r in results),
               "PowerSGD: equal within 1e-9, every rank": all(r["chapter02"]["powersgd_close"] for r in results)}
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    ok = report_checks(checks)
     print()
-    return all(checks.values())
+    return ok
 
 
 # ----------------------------------------------------------------------------- collective matmul
@@ -359,14 +357,13 @@ def report_collective_matmul(results) -> bool:
     checks = {"output and gradients = labkit.models.MLP in one process (1e-12), every rank": all(r["cmm"]["equal"] for r in results),
               "only ring steps of one chunk: the unsplit collectives' bytes, every rank": all(r["cmm"]["ring"] for r in results),
               "every transfer in flight during a matmul (traced order), every rank": all(r["cmm"]["overlap"] for r in results)}
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    ok = report_checks(checks)
     if n > 1:
         ours, theirs = exposed["collective matmul"], exposed["unsplit all-gather"]
         verdict = "less" if ours < theirs else "not less"
         print(f"     measured: the decomposed all-gather left {ours * 1e3:.3f} ms exposed, {verdict} than "
               f"the unsplit one's {theirs * 1e3:.3f} ms (timing only: no pass or fail)")
-    return all(checks.values())
+    return ok
 
 
 if __name__ == "__main__":

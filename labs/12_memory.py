@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from labkit.check import mismatch
 from labkit.comm import CommTracer
-from labkit.course.labscript import lab_arguments, run_lab
+from labkit.course.labscript import lab_arguments, report_checks, run_lab
 from labkit.models import GPT, GPTConfig
 from labkit.oracles import builtin_checkpoint
 
@@ -257,9 +257,7 @@ def report(results: list[dict]) -> bool:
         "accumulation: one all-reduce per parameter, nothing else": all(
             r["accumulate"]["all_reduces"] == r["accumulate"]["want_all_reduces"] and not r["accumulate"]["other_ops"] for r in results),
     }
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
-    return all(checks.values())
+    return report_checks(checks)
 
 
 if __name__ == "__main__":

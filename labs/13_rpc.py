@@ -41,7 +41,7 @@ import torch.distributed.autograd as dist_autograd
 import torch.nn as nn
 
 from labkit.check import mismatch, not_implemented
-from labkit.course.labscript import lab_arguments
+from labkit.course.labscript import lab_arguments, report_checks
 from labkit.launch import WorkerError, launch, release_process_groups, under_torchrun
 
 H_IN, H_HID, H_OUT, BATCH, STEPS, LR = 4, 6, 2, 12, 5, 0.1
@@ -441,9 +441,7 @@ def report(results: list[dict]) -> bool:
             Counter(pipe["driver_trace"]) == driver_want and Counter(results[n - 1]["pipeline"]["stage2_trace"]) == stage2_want),
         "chapter 01's collective PS = the synchronous RPC server": "missing" not in dp and dp["same"],
     }
-    for what, ok in checks.items():
-        print(f"{'ok  ' if ok else 'FAIL'} {what}")
-    return all(checks.values())
+    return report_checks(checks)
 
 
 def run(args) -> None:

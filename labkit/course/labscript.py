@@ -31,6 +31,13 @@ def lab_arguments(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+def report_checks(checks: dict[str, bool]) -> bool:
+    """Print one line per check, ``ok  `` or ``FAIL`` then what it checked; True if all passed."""
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}")
+    return all(checks.values())
+
+
 def run_lab(main, report, args, *main_args, max_restarts: int = 0) -> None:
     """Run ``main(*main_args)`` on every rank, ``report(results)`` the outcome, and exit.
 
