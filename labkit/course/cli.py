@@ -1,4 +1,4 @@
-"""The ``labkit`` command: grade, tasks, workspace, autograder, bench, doctor.
+"""The ``labkit`` command: grade, coverage, tasks, workspace, autograder, bench, doctor.
 
 Every command works on the course tree you stand in (a clone or a learner workspace; the
 nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
@@ -51,6 +51,32 @@ def cmd_grade(args, root: Path) -> int:
     print(grading.format_table(scores))
     print(f"graded: {tree_label(root)}")
     return 0 if scores and all(s.score == s.max_score for s in scores) else 1
+
+
+def cmd_coverage(args, root: Path) -> int:
+    import tempfile
+
+    from labkit.course import coverage
+    if workspace.is_student_workspace(root):
+        raise ValueError("coverage measures the reference solutions: run it in a clone, not a workspace")
+    chapters, tasks = grading.split_selection(args.selection)
+    files = grading.grading_files(chapters, root)
+    modules = {f.stem.removeprefix("test_") for f in files}
+    wanted = tasks or sorted((t for t in grading.known_tasks(root) if t.split(".")[0] in modules),
+                             key=grading.task_order)
+    print(f"labkit coverage: the graded tests of {', '.join(wanted)} on {tree_label(root)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="labkit-coverage-") as folder:
+        env = {k: v for k, v in os.environ.items() if k != coverage.OWNER_ENV}
+        env[coverage.DIR_ENV] = folder
+        extra = ["-k", args.k] if args.k else []
+        records, _ = grading.run_tests(files, root, extra, tasks, env=env, progress=args.progress)
+        results, errors = coverage.measure(folder, root, wanted)
+    failed = [r for r in records if r["outcome"] == "failed"]
+    print()
+    print(coverage.format_report(results, errors))
+    if failed:
+        print(f"{len(failed)} graded test(s) failed, so the coverage above is partial: labkit grade says why")
+    return 0 if not failed and not errors and all(r.complete for r in results) else 1
 
 
 def cmd_tasks(args, root: Path) -> int:
@@ -114,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
     grade.add_argument("--verbose", "-v", action="store_true", help="pytest's full output and tracebacks")
     grade.set_defaults(run=cmd_grade)
+
+    cov = sub.add_parser("coverage", help="lines and branches of each task's solution regions its own tests run")
+    cov.add_argument("selection", nargs="*", metavar="chapter|task",
+                     help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    cov.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    cov.add_argument("--progress", action="store_true", help="a line per graded test as it finishes")
+    cov.set_defaults(run=cmd_coverage)
 
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
     tasks.set_defaults(run=cmd_tasks)
