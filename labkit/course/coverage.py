@@ -26,20 +26,19 @@ import json
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from labkit.course import workspace
+from labkit.runtime import taskcov
+from labkit.runtime.taskcov import DIR_ENV, FILES_ENV, TASK_ENV  # noqa: F401 - re-exported
 
 # Flip to True once every task reaches 100%: then CI (LABKIT_CI=1) fails on a gap. While
 # False, CI still measures and prints the gaps, and `labkit coverage` still exits 1 on them.
 GATE = False
 
-DIR_ENV = "LABKIT_COVERAGE"          # folder of the data files; "1": report at the end of this run
-TASK_ENV = "LABKIT_COVERAGE_TASK"    # the graded task running now (read by every rank)
 OWNER_ENV = "LABKIT_COVERAGE_OWNER"  # pid of the pytest process that owns the folder
 EXCLUSIONS = "tests/coverage_exclusions.txt"
 PRAGMA = re.compile(r"#\s*coverage:(.*)$")
@@ -48,58 +47,19 @@ PRAGMA = re.compile(r"#\s*coverage:(.*)$")
 # ----------------------------------------------------------------------------- recording
 
 
-def start(context: str | None, root: Path | None = None):
-    """Start coverage.py on the exercise modules, recording into ``$LABKIT_COVERAGE``
-    under ``context``; None when that is not set. ``save`` it at the end."""
-    folder = os.environ.get(DIR_ENV)
-    if not folder or not os.path.isdir(folder):
-        return None
-    import coverage as coveragepy
-    pkg = (root or workspace.package_dir().parent) / "labkit"
-    cov = coveragepy.Coverage(data_file=os.path.join(folder, "cov"), data_suffix=True, branch=True,
-                              config_file=False, context=context,
-                              include=sorted({str(r.path) for r in workspace.all_regions(pkg)}))
-    cov.set_option("run:disable_warnings", ["no-data-collected", "module-not-measured"])
-    cov.start()
-    _trace_foreign_threads()
-    return cov
+def measured_files(root: Path) -> list[str]:
+    """The files that hold solution regions: the only ones coverage.py traces."""
+    return sorted({str(r.path) for r in workspace.all_regions(root / "labkit")})
 
 
-def save(cov) -> None:
-    if cov is not None:
-        cov.stop()
-        cov.save()
+def start(context: str | None, root: Path):
+    """Record the exercise modules of ``root`` in this process into ``$LABKIT_COVERAGE``
+    (and in the ranks it launches while ``LABKIT_COVERAGE_TASK`` is set)."""
+    os.environ[FILES_ENV] = os.pathsep.join(measured_files(root))
+    return taskcov.start(context)
 
 
-def start_rank():
-    """In a rank: record while a graded test's launch runs (see the module docstring)."""
-    task = os.environ.get(TASK_ENV)
-    return start(task) if task else None
-
-
-def _trace_foreign_threads() -> None:
-    """coverage.py traces the threads ``threading`` starts; gloo's and TensorPipe's threads
-    run Python too (a future's ``.then`` callback, an RPC's function): trace those as well."""
-    import threading
-
-    import torch
-    import torch.distributed.rpc.internal as rpc_internal
-
-    def traced(fn):
-        def run(*args, **kwargs):
-            if sys.gettrace() is None and threading.gettrace() is not None:
-                sys.settrace(threading.gettrace())  # coverage's tracer starts at the next call
-            return fn(*args, **kwargs)
-        return run
-
-    future = torch._C.Future
-    if not getattr(future.then, "_labkit_traced", False):
-        for name in ("then", "add_done_callback"):
-            original = getattr(future, name)
-            patched = (lambda original: lambda self, callback: original(self, traced(callback)))(original)
-            patched._labkit_traced = True
-            setattr(future, name, patched)
-        rpc_internal._run_function = traced(rpc_internal._run_function)
+save = taskcov.save
 
 
 # ----------------------------------------------------------------------------- analysis

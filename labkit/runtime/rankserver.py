@@ -26,8 +26,8 @@ from labkit.runtime import deadlock, worker  # imports torch: the whole point of
 PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.optim", "torch.distributed.pipelining", "torch.nn.parallel",
            "labkit.comm", "labkit.memory", "labkit.check"]
-if os.environ.get("LABKIT_COVERAGE"):  # the ranks of a measured run record coverage (labkit.course.coverage)
-    PRELOAD += ["coverage", "labkit.course.coverage"]
+if os.environ.get("LABKIT_COVERAGE"):  # the ranks of a measured run record coverage (labkit.runtime.taskcov)
+    PRELOAD += ["coverage", "labkit.runtime.taskcov"]
 
 
 def _reap(children: dict[int, str]) -> None:

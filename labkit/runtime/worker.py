@@ -111,17 +111,17 @@ def run_rank(spec: dict) -> None:
 
 def _start_coverage():
     """Under ``labkit coverage`` (or CI), a graded test's ranks record which lines of the
-    exercise modules they run, under the test's task (``labkit.course.coverage``)."""
+    exercise modules they run, under the test's task (``labkit.runtime.taskcov``)."""
     if not os.environ.get("LABKIT_COVERAGE_TASK"):
         return None
-    from labkit.course import coverage
-    return coverage.start_rank()
+    from labkit.runtime import taskcov
+    return taskcov.start_rank()
 
 
 def _save_coverage(cov) -> None:
     if cov is not None:
-        from labkit.course import coverage
-        coverage.save(cov)
+        from labkit.runtime import taskcov
+        taskcov.save(cov)
 
 
 def _init_process_group(rank: int, world_size: int, backend: str, timeout: float) -> None:
