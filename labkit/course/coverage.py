@@ -172,10 +172,9 @@ def _rel(path: Path, root: Path) -> str:
 
 def format_report(results: list[TaskCoverage], errors: list[str] = (), only_gaps: bool = False) -> str:
     width = max([len("task")] + [len(r.task) for r in results]) + 2
-    lines = [f"{'task':<{width}}{'lines':>10}{'branches':>11}{'excluded':>10}"]
-    for r in results:
-        if only_gaps and r.complete:
-            continue
+    shown = [r for r in results if not (only_gaps and r.complete)]
+    lines = [f"{'task':<{width}}{'lines':>10}{'branches':>11}{'excluded':>10}"] if shown else []
+    for r in shown:
         mark = "" if r.complete else "   <- below 100%"
         lines.append(f"{r.task:<{width}}{f'{r.lines_run}/{r.lines}':>10}{f'{r.branches_taken}/{r.branches}':>11}"
                      f"{r.excluded or '':>10}{mark}")
@@ -254,19 +253,24 @@ def pytest_sessionfinish(session):
     save(_cov)
     _cov = None
     folder = os.environ[DIR_ENV]
-    Path(folder, f"tests.{os.getpid()}.json").write_text(json.dumps(dict(collected=_collected, outcomes={k: sorted(v) for k, v in _outcomes.items()})))
+    outcomes = {nodeid: sorted(seen) for nodeid, seen in _outcomes.items()}
+    Path(folder, f"tests.{os.getpid()}.json").write_text(json.dumps(dict(collected=_collected, outcomes=outcomes)))
     if not getattr(session.config, "_labkit_coverage_report", False):
         return
-    results, errors, text = check(folder, Path(str(session.config.rootpath)))
+    try:
+        results, errors, text = check(folder, Path(str(session.config.rootpath)))
+    except Exception as error:  # noqa: BLE001 - a broken measurement is reported, not a crash
+        results, errors, text = [], [repr(error)], f"could not measure: {error!r}"
     Path(folder, "report.txt").write_text(text + "\n")
     session.config._labkit_coverage_text = text
-    if GATE and (errors or not all(r.complete for r in results)) and session.exitstatus == 0:
-        session.exitstatus = 1
+    if GATE and (errors or not all(r.complete for r in results)):
+        session.config._labkit_coverage_text += "\ncoverage gate FAILED: every task must reach 100% (the run exits 1)"
+        session.exitstatus = session.exitstatus or 1
 
 
 def check(folder: str, root: Path) -> tuple[list[TaskCoverage], list[str], str]:
-    """The tasks whose every graded test ran (passed or skipped) in this run, measured: a
-    run of one file, or of some tasks, checks those tasks only."""
+    """The tasks whose every graded test ran in this run (passed or skipped, one at least
+    passed), measured: a run of one file, or of some tasks, checks those tasks only."""
     collected: dict[str, set[str]] = {}
     outcomes: dict[str, set[str]] = {}
     for f in Path(folder).glob("tests.*.json"):
@@ -276,8 +280,9 @@ def check(folder: str, root: Path) -> tuple[list[TaskCoverage], list[str], str]:
         for nodeid, seen in record["outcomes"].items():
             outcomes.setdefault(nodeid, set()).update(seen)
     from labkit.course.grading import task_order
-    tasks = sorted((t for t, ids in collected.items()
-                    if all(outcomes.get(i) and "failed" not in outcomes[i] for i in ids)), key=task_order)
+    ran = {t for t, ids in collected.items() if all(outcomes.get(i) and "failed" not in outcomes[i] for i in ids)
+           and any("passed" in outcomes[i] for i in ids)}
+    tasks = sorted(ran, key=task_order)
     results, errors = measure(folder, root, tasks)
     return results, errors, format_report(results, errors, only_gaps=True)
 
