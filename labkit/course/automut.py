@@ -319,14 +319,18 @@ def _mutant(tree, top, src, node, field, index, sl, new, op, stmt, region_of, ta
             value[index] = saved
         else:
             setattr(node, field, saved)
+    # Only the edited top-level statement is parsed and compiled again (whole lines of it).
+    top_node = tree.body[top]
+    first = min([top_node.lineno] + [d.lineno for d in getattr(top_node, "decorator_list", [])])
+    lo, hi = src.starts[first - 1], src.starts[top_node.end_lineno]
     for candidate in (text, f"({text})"):
-        mutated = (src.data[:start] + candidate.encode() + src.data[end:]).decode()
+        mutated = (src.data[lo:start] + candidate.encode() + src.data[end:hi]).decode()
         try:
             parsed = ast.parse(mutated)
             compile(parsed, f"{op}", "exec")
         except SyntaxError:
             continue
-        if len(parsed.body) == len(tree.body) and ast.dump(parsed.body[top]) == intended:
+        if len(parsed.body) == 1 and ast.dump(parsed.body[0]) == intended:
             break
     else:
         return None
@@ -406,15 +410,17 @@ def _grade(root: Path, task: str, batch: list[AutoMutant], timeout: float, log) 
         try:
             proc = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   timeout=timeout * len(batch), start_new_session=True)
+            failure = None if report.exists() else f"pytest exited with {proc.returncode} and no report"
         except subprocess.TimeoutExpired:
-            if len(batch) > 1:
-                half = len(batch) // 2
-                return {**_grade(root, task, batch[:half], timeout, log), **_grade(root, task, batch[half:], timeout, log)}
-            return {batch[0].id: dict(killed=True, by="timeout", message=f"no verdict within {timeout:g} s", tests=0)}
-        if not report.exists():
-            raise RuntimeError(f"labkit mutate: pytest exited with {proc.returncode} before grading {task}:\n"
-                               + proc.stdout.decode(errors="replace")[-3000:])
-        fates = {f["mutant"]: f for f in json.loads(report.read_text())}
+            failure = f"no verdict within {timeout:g} s"
+        if failure and len(batch) > 1:   # find the one that hangs or crashes pytest
+            half = len(batch) // 2
+            return {**_grade(root, task, batch[:half], timeout, log), **_grade(root, task, batch[half:], timeout, log)}
+        if failure:
+            fates = {batch[0].id: dict(killed=True, by="timeout" if "verdict" in failure else "crash",
+                                       message=failure, tests=0)}
+        else:
+            fates = {f["mutant"]: f for f in json.loads(report.read_text())}
     for m in batch:
         fate = fates.get(m.id, dict(killed=False, by="", tests=0))
         log(m, fate)
@@ -454,9 +460,10 @@ def run(root: Path, names: list[str], sample=None, seed=0, jobs=2, timeout=600.0
 
     def log(m, fate):
         done[0] += 1
-        verdict = ("killed (timeout)" if fate.get("by") == "timeout" else "killed") if fate["killed"] \
+        special = fate.get("by") in ("timeout", "crash")
+        verdict = (f"killed ({fate['by']})" if special else "killed") if fate["killed"] \
             else "equivalent" if m.id in listed else "SURVIVED"
-        by = f" by {fate['by']}" if fate["killed"] and fate.get("by") != "timeout" else ""
+        by = f" by {fate['by']}" if fate["killed"] and not special else ""
         out(f"[{done[0]}/{total}] {verdict:<16} {m.id:<36} {m.description}{by}", flush=True)
 
     start = time.monotonic()
@@ -469,7 +476,7 @@ def run(root: Path, names: list[str], sample=None, seed=0, jobs=2, timeout=600.0
     survivors = [m for m in every if not fates[m.id]["killed"]]
     equivalent = [m for m in survivors if m.id in listed]
     real = [m for m in survivors if m.id not in listed]
-    timeouts = [m for m in every if fates[m.id].get("by") == "timeout"]
+    timeouts = [m for m in every if fates[m.id].get("by") in ("timeout", "crash")]
     out("")
     for m in real:
         out(f"SURVIVED  {m.id:<36} {m.task:<20} {m.description}")
@@ -479,7 +486,8 @@ def run(root: Path, names: list[str], sample=None, seed=0, jobs=2, timeout=600.0
     if stale:
         out(f"listed as equivalent but killed (remove from EQUIVALENT): {', '.join(stale)}")
     if timeouts:
-        out(f"killed by the {timeout:g} s timeout (a hang, or a slow machine): {', '.join(m.id for m in timeouts)}")
+        out(f"killed by the {timeout:g} s timeout (a hang, or a slow machine) or by crashing pytest: "
+            f"{', '.join(m.id for m in timeouts)}")
     out(f"automatic mutants: {total - len(survivors)} killed of {total} ({len(real)} survived, "
         f"{len(equivalent)} equivalent) in {elapsed:.0f} s")
     return 1 if real else 0
