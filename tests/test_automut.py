@@ -5,9 +5,12 @@ and ids do not move when unrelated lines do. (Grading the mutants is the tool's 
 import json
 from dataclasses import asdict
 
+from pathlib import Path
+
 import pytest
 
 from labkit.course import automut
+from tests.conftest import needs_solutions
 
 SOURCE = '''import torch
 import torch.distributed as dist
@@ -126,3 +129,13 @@ def test_equivalent_entries_need_a_reason(tmp_path):
     with pytest.raises(ValueError, match="need a reason"):
         automut.equivalents(tmp_path, "demo")
     assert automut.equivalents(tmp_path, "nothing") == {}
+
+
+@needs_solutions
+def test_collect_picks_mutants_by_id():
+    root = Path(__file__).resolve().parent.parent
+    router = automut.collect(root, ["moe.router"])["moe.router"]
+    picked = automut.collect(root, [], ids=[router[0].id])
+    assert picked == {"moe.router": [router[0]]}
+    with pytest.raises(ValueError, match="no such automatic mutant"):
+        automut.collect(root, [], ids=["moe.router/int/00000000"])

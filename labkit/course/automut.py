@@ -41,6 +41,7 @@ a tool to run while writing tests, not part of CI:
     labkit mutate moe                      # every mutant of chapter 10
     labkit mutate moe.router --list        # what would run
     labkit mutate 03 --sample 5 --seed 1   # five per task, at random
+    labkit mutate --id moe.layer/group/ad77e31d   # one mutant (ids do not move with lines)
 """
 
 from __future__ import annotations
@@ -427,13 +428,20 @@ def _grade(root: Path, task: str, batch: list[AutoMutant], timeout: float, log) 
     return {m.id: fates.get(m.id, dict(killed=False, by="", tests=0)) for m in batch}
 
 
-def collect(root: Path, names: list[str], sample: int | None = None, seed: int = 0) -> dict[str, list[AutoMutant]]:
-    """Task -> its mutants, for the selected chapters or tasks (``sample`` per task at random)."""
+def collect(root: Path, names: list[str], sample: int | None = None, seed: int = 0,
+            ids=()) -> dict[str, list[AutoMutant]]:
+    """Task -> its mutants, for the selected chapters or tasks (``sample`` per task at random;
+    only the given ids, if any: their tasks are selected by them)."""
+    names = [*names, *{i.split("/")[0] for i in ids}]
     modules, wanted = _selection(names, root)
     by_task: dict[str, list[AutoMutant]] = {}
     for module in modules:
         for m in generate((root / "labkit" / f"{module}.py").read_text(), module, wanted or None):
-            by_task.setdefault(m.task, []).append(m)
+            if not ids or m.id in ids:
+                by_task.setdefault(m.task, []).append(m)
+    unknown = set(ids) - {m.id for ms in by_task.values() for m in ms}
+    if unknown:
+        raise ValueError(f"no such automatic mutant {sorted(unknown)} (labkit mutate <task> --list shows them)")
     if sample:
         rng = random.Random(seed)
         by_task = {t: sorted(rng.sample(ms, min(sample, len(ms))), key=lambda m: m.line) for t, ms in by_task.items()}
@@ -441,8 +449,8 @@ def collect(root: Path, names: list[str], sample: int | None = None, seed: int =
 
 
 def run(root: Path, names: list[str], sample=None, seed=0, jobs=2, timeout=600.0, batch=8,
-        list_only=False, out=print) -> int:
-    by_task = collect(root, names, sample, seed)
+        list_only=False, ids=(), out=print) -> int:
+    by_task = collect(root, names, sample, seed, ids)
     total = sum(map(len, by_task.values()))
     if list_only:
         for task, ms in by_task.items():

@@ -105,7 +105,7 @@ def cmd_bench(args, root: Path | None) -> int:
 def cmd_mutate(args, root: Path) -> int:
     from labkit.course import automut
     return automut.run(root, args.selection, sample=args.sample, seed=args.seed, jobs=args.jobs,
-                       timeout=args.timeout, batch=args.batch, list_only=args.list)
+                       timeout=args.timeout, batch=args.batch, list_only=args.list, ids=args.id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     mutate.add_argument("--timeout", type=float, default=600,
                         help="seconds per mutant; one that takes longer counts as killed (and is named)")
     mutate.add_argument("--batch", type=int, default=8, help="mutants of one task per pytest process")
+    mutate.add_argument("--id", action="append", default=[], metavar="ID",
+                        help="only this mutant (<task>/<op>/<hash>, as printed; repeatable)")
     mutate.add_argument("--list", action="store_true", help="only list the mutants")
     mutate.set_defaults(run=cmd_mutate)
 
