@@ -272,11 +272,7 @@ def generate(text: str, module: str, tasks=None) -> list[AutoMutant]:
         while stack:
             node, stmt = stack.pop()
             for field, child, index in reversed(list(_children(node))):
-                if isinstance(child, list):   # a block of statements
-                    candidates = [(op, f, sl, new) for op, f, sl, new in _edits(node, field, child)]
-                else:
-                    candidates = [(op, f, None, new) for op, f, _, new in _edits(node, field, child)]
-                for op, f, sl, new in candidates:
+                for op, f, sl, new in _edits(node, field, child):   # child: a node, or a block of statements
                     m = _mutant(tree, top, src, node, f, index, sl, new, op, stmt, region_of, tasks, seen)
                     if m is not None:
                         found.append(m)
