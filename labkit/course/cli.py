@@ -1,4 +1,4 @@
-"""The ``labkit`` command: grade, coverage, tasks, workspace, autograder, bench, doctor.
+"""The ``labkit`` command: grade, coverage, tasks, workspace, autograder, mutate, bench, doctor.
 
 Every command works on the course tree you stand in (a clone or a learner workspace; the
 nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
@@ -128,6 +128,12 @@ def cmd_bench(args, root: Path | None) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def cmd_mutate(args, root: Path) -> int:
+    from labkit.course import automut
+    return automut.run(root, args.selection, sample=args.sample, seed=args.seed, jobs=args.jobs,
+                       timeout=args.timeout, batch=args.batch, list_only=args.list, ids=args.id)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labkit", description="Parallelism Labs tools")
     parser.add_argument("--root", help="the course tree to use (default: the one you are in)")
@@ -161,6 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("-o", "--output", default="autograder.zip", help="zip to write")
     ag.add_argument("--timeout", type=float, default=60, help="seconds per graded launch")
     ag.set_defaults(run=cmd_autograder)
+
+    mutate = sub.add_parser("mutate", help="grade mechanical mutations of every solution region; print survivors")
+    mutate.add_argument("selection", nargs="*", metavar="chapter|task",
+                        help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    mutate.add_argument("--sample", type=int, metavar="N", help="only N mutants per task, at random")
+    mutate.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    mutate.add_argument("--jobs", "-j", type=int, default=2, help="pytest processes at once")
+    mutate.add_argument("--timeout", type=float, default=600,
+                        help="seconds per mutant; one that takes longer counts as killed (and is named)")
+    mutate.add_argument("--batch", type=int, default=8, help="mutants of one task per pytest process")
+    mutate.add_argument("--id", action="append", default=[], metavar="ID",
+                        help="only this mutant (<task>/<op>/<hash>, as printed; repeatable)")
+    mutate.add_argument("--list", action="store_true", help="only list the mutants")
+    mutate.set_defaults(run=cmd_mutate)
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, the backend launch picks, and a measured all-reduce")
     doctor.add_argument("--world-size", type=int, help="ranks for the measurement (default: GPUs, or 2)")
