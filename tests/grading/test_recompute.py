@@ -169,11 +169,11 @@ def checkpoint_on_rank() -> None:
         checkpoint_every(model, k)
         ours = train(model, rank)
         assert_same_training(ours, plain, what + " vs no checkpointing (dropout on)")
-        theirs = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
-        for i in want:
-            theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
-        assert_same_training(ours, train(theirs, rank), what + " vs torch.utils.checkpoint (non-reentrant)")
-        if k in (1, 3):
+        if k in (1, 3):  # (equal to no checkpointing at every k; torch's checkpoint at two of them)
+            theirs = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+            for i in want:
+                theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
+            assert_same_training(ours, train(theirs, rank), what + " vs torch.utils.checkpoint (non-reentrant)")
             # the RNG stream, seeded once: the recompute draws the forward's masks again on a fork
             # of the stream, so each step leaves the global stream where no checkpointing leaves it
             model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
@@ -224,11 +224,12 @@ def checkpoint_autocast(rank) -> None:
         assert not wrong, (f"{what}: the recompute in backward ran these Linear layers in another precision "
                            f"than the forward ({dtype}): {wrong[:4]}; restore the forward's autocast state")
         assert_same_training(ours, plain, what + " vs no checkpointing")
-        theirs = memory_gpt(CONFIG, DROPOUT, seed=rank)
-        for i in range(CONFIG.n_layer):
-            theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
-        assert_same_training(ours, train(theirs, rank, forward=forward, steps=3),
-                             what + " vs torch.utils.checkpoint (non-reentrant)")
+        if dtype == torch.bfloat16:
+            theirs = memory_gpt(CONFIG, DROPOUT, seed=rank)
+            for i in range(CONFIG.n_layer):
+                theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
+            assert_same_training(ours, train(theirs, rank, forward=forward, steps=3),
+                                 what + " vs torch.utils.checkpoint (non-reentrant)")
 
 
 def checkpoint_api(rank) -> None:
@@ -409,7 +410,9 @@ def offload_on_rank() -> None:
         loss = offloaded_forward(model, pool, x, y)[1]
         step = len(losses)
         alive = sorted({i for i, ref in watch.handed if not ref.expired()})
-        assert watch.handed and not alive, (
+        assert watch.handed, (f"{what}, step {step}: nothing offloaded: the pool handed every saved tensor back "
+                              "to autograd as it was (kept)")
+        assert not alive, (
             f"{what}, step {step}: after forward, tensors autograd saved in layers {alive} are still alive on the "
             f"device ({len(watch.handed)} handed to the pool): offloading must drop every reference to them")
         assert pool.host_bytes == layers * layer_bytes and pool.device_bytes == 0, (

@@ -15,11 +15,29 @@ MUTANTS = [
            replace="        if True:\n"),
     Mutant("recompute.checkpoint", "torch_checkpoint", "PyTorch's own torch.utils.checkpoint in place of the exercise",
            find="        return Checkpoint.apply(self.block, x)\n",
-           replace="        import torch.utils.checkpoint\n"
-                   "        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)\n"),
+           replace="        from torch.utils.checkpoint import checkpoint\n"
+                   "        return checkpoint(self.block, x, use_reentrant=False)\n"),
+    Mutant("recompute.checkpoint", "autocast_not_restored", "recomputes outside the forward's autocast: backward runs in fp32",
+           find="            with torch.enable_grad(), restore_autocast(ctx.autocast):\n",
+           replace="            with torch.enable_grad():\n"),
+    Mutant("recompute.checkpoint", "autocast_not_captured", "captures the autocast state in backward, where it is off",
+           find="            with torch.enable_grad(), restore_autocast(ctx.autocast):\n",
+           replace="            with torch.enable_grad(), restore_autocast(autocast_state()):\n"),
+    Mutant("recompute.checkpoint", "rng_not_forked", "restores the forward's RNG state without a fork: the global stream is left rewound",
+           find="        with torch.random.fork_rng(devices=ctx.devices):\n", replace="        if True:\n"),
+    Mutant("recompute.checkpoint", "rng_reseeded", "forks the RNG but reseeds the global stream after the recompute",
+           find="        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n",
+           replace="        torch.set_rng_state(ctx.cpu_rng)\n"
+                   "        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n"),
+    Mutant("recompute.checkpoint", "first_output_only", "backpropagates through the first output only",
+           find="        pairs = [(o, g) for o, g in zip(outputs, grads)\n",
+           replace="        pairs = [(o, g) for o, g in zip(outputs[:1], grads)\n"),
+    Mutant("recompute.checkpoint", "none_when_k_too_big", "wraps nothing when k exceeds the number of blocks",
+           find="    wrapped = [i for i in range(len(gpt.blocks)) if i % k == 0]\n",
+           replace="    wrapped = [i for i in range(len(gpt.blocks)) if i % k == 0 and k <= len(gpt.blocks)]\n"),
     Mutant("recompute.checkpoint", "recompute_twice", "re-runs the block outside the restored RNG (a second forward draws masks)",
            find="        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n",
-           replace="        with torch.enable_grad():\n            outputs = ctx.fn(*inputs)\n"
+           replace="        with torch.enable_grad():\n            outputs = ctx.fn(*args)\n"
                    "        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n"),
     # recompute.selective
     Mutant("recompute.selective", "keeps_softmax", "keeps the softmax output and recomputes only dropout and the last matmul",
@@ -47,12 +65,30 @@ MUTANTS = [
            find="        if self.host.get(index - 1):\n            self._bring_back(index - 1, device, \"prefetch\")\n",
            replace="        for earlier in sorted((i for i in self.host if i < index and self.host[i]), reverse=True):\n"
                    "            self._bring_back(earlier, device, \"prefetch\")\n"),
+    Mutant("recompute.offload", "device_tensor_kept", "copies to the host but keeps the device tensor referenced",
+           find="        self.host[index].append(self._to_host(t))\n",
+           replace="        self.host[index].append(self._to_host(t))\n"
+                   "        self.__dict__.setdefault('originals', []).append(t)\n"),
+    Mutant("recompute.offload", "prefetch_two_ahead", "prefetches layers i - 1 and i - 2",
+           find="        if self.host.get(index - 1):\n            self._bring_back(index - 1, device, \"prefetch\")\n",
+           replace="        for ahead in (index - 1, index - 2):\n"
+                   "            if self.host.get(ahead):\n                self._bring_back(ahead, device, \"prefetch\")\n"),
+    Mutant("recompute.offload", "handle_holds_tensor", "the handle autograd keeps holds the device tensor itself",
+           find="        return (index, len(self.host[index]) - 1, t.device)\n",
+           replace="        return (index, len(self.host[index]) - 1, t.device, t)\n"),
     Mutant("recompute.offload", "nothing_offloaded", "keeps the tensor on the device and only writes down its bytes",
            find="        self.host[index].append(self._to_host(t))\n",
            replace="        self.host[index].append(t)\n        return (\"kept\", t)\n"),
     # recompute.accumulate
     Mutant("recompute.accumulate", "loss_not_scaled", "backward of each micro-batch's loss unscaled: gradients m times too large",
-           find="        loss = loss_fn(model, x, y) / m\n", replace="        loss = loss_fn(model, x, y)\n"),
+           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),
+    Mutant("recompute.accumulate", "mean_of_means", "divides each loss by m: unequal micro-batches weigh the same, not by tokens",
+           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y) / m\n"),
+    Mutant("recompute.accumulate", "world_group", "all-reduces over every rank, whatever group says",
+           find="                dist.all_reduce(p.grad, group=group)\n                p.grad.div_(n)\n    # END",
+           replace="                dist.all_reduce(p.grad)\n                p.grad.div_(n)\n    # END"),
+    Mutant("recompute.accumulate", "divide_by_world", "divides by the world size, not the group's",
+           find="                p.grad.div_(n)\n", replace="                p.grad.div_(dist.get_world_size())\n"),
     Mutant("recompute.accumulate", "all_reduce_every_micro_batch", "all-reduces the gradients after every micro-batch",
            find="        total = total + loss.detach()\n    if n > 1:\n",
            replace="        total = total + loss.detach()\n        if n > 1:\n"
@@ -81,6 +117,18 @@ MUTANTS = [
                 "        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]\n",
            replace="        self.exp_avg = [torch.zeros_like(p) for p in self.params]\n"
                    "        self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]\n"),
+    Mutant("recompute.optimizer_offload", "global_step_count", "bias corrections from the optimizer's step count, not each parameter's",
+           find="            correction1, correction2 = 1 - beta1 ** self.param_steps[i], 1 - beta2 ** self.param_steps[i]\n",
+           replace="            correction1, correction2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps\n"),
+    Mutant("recompute.optimizer_offload", "coupled_weight_decay", "L2 in the gradient (Adam) instead of AdamW's decoupled decay",
+           find="            w.mul_(1 - self.lr * self.weight_decay)\n",
+           replace="            grad = grad + self.weight_decay * w\n"),
+    Mutant("recompute.optimizer_offload", "master_in_param_dtype", "keeps the master in the parameter's dtype (bf16 master)",
+           find="        self.master = [torch.empty(p.shape, dtype=torch.float32,",
+           replace="        self.master = [torch.empty(p.shape, dtype=p.dtype,"),
+    Mutant("recompute.optimizer_offload", "betas_swapped", "uses beta2 for the first moment and beta1 for the second",
+           find="            m.lerp_(grad, 1 - beta1)\n            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n",
+           replace="            m.lerp_(grad, 1 - beta2)\n            v.mul_(beta1).addcmul_(grad, grad, value=1 - beta1)\n"),
     Mutant("recompute.optimizer_offload", "fp32_up_the_link", "sends the fp32 master up and casts on the device: 4 bytes instead of 2",
            find="            self.moved_bytes += p.nbytes\n", replace="            self.moved_bytes += w.nbytes\n"),
 ]
