@@ -5,23 +5,38 @@ are checked on every rank of a launch at world sizes 1 and 2 (1 a diagnostic), e
 its own data, as chapter 10 grades its router. Each is checked, in float64 with dropout on,
 over 5 AdamW steps against the same model (same weights, same seeds) without the technique
 and, for full recomputation, against ``torch.utils.checkpoint`` (non-reentrant): the loss at
-every step and every gradient. Then what the technique is for:
+every step and every gradient. Memory is measured here (``saved_tensors_hooks`` with weak
+references to the storages, ``SavedPeak``; hooks wrapped around the pool), never taken from
+numbers the code under test reports. Then, per task:
 
-* checkpoint: the order of block forwards traced (every block once in forward; in backward
-  exactly the wrapped blocks, last first, once each) for k = 1, 2, 3; the bytes autograd saves
-  per block, counted here with ``saved_tensors_hooks`` by storage, equal to the chapter's
-  formula: 4 s b h for a wrapped block (its input), s b (72 h + 12 a s + 16) for a kept one
-  (fp32-equivalent float64 counts are doubled: the test uses the element size);
-* selective: per block s b (72 h + 16) x element size / 4 saved bytes at several s, b, h, a;
-* offload: bytes on the host after forward = the layers' saved bytes, each layer's offload,
-  fetch and prefetch events in order, at most two layers back on the device at once;
-* optimizer_offload: a bf16 GPT whose fp32 master weights and AdamW moments live on the host
-  (12 bytes per parameter), the masters after each of 5 steps against torch.optim.AdamW on fp32
-  copies fed the same bf16 gradients, the bf16 parameters equal to their master cast, 4 bytes
-  per parameter over the link per step;
-* accumulate: at world sizes 1-3, the gradients of one big batch (every rank's micro-batches
-  in one process) after each of 5 steps, and the whole communication: nothing before the last
-  micro-batch's backward, then one all-reduce per parameter of its gradient's bytes.
+* checkpoint: k = 1, 2, 3 and k > the number of blocks (block 0 alone); the order of block
+  forwards traced (every block once in forward; in backward exactly the wrapped blocks, last
+  first, once each); the RNG seeded once over 3 steps: losses, gradients and the global RNG
+  state after each backward equal to no checkpointing's (a recompute that advances, consumes
+  or resets the global stream fails); CPU autocast in bf16 and fp16 (forward inside, backward
+  outside) over 3 steps: every Linear recomputed in the forward's dtype, gradients equal to no
+  checkpointing's and (bf16) torch's; ``Checkpoint.apply`` with tensor arguments that require a
+  gradient and one that does not, non-tensor arguments and two outputs (both used, or one);
+  saved bytes per block in forward (4 s b h for a wrapped block, s b (72 h + 12 a s + 16) for a
+  kept one, x element size / 4) and the peak over forward and backward, measured, equal to
+  max(end of forward, the blocks before j + block j rebuilt whole) at k = 1..4 over 3 shapes;
+* selective: per block s b (72 h + 16) x element size / 4 saved bytes at several s, b, h, a, and
+  the measured peak of backward at most one attention core (12 a s^2 b in fp32) above it;
+* offload: one pool over 5 steps, watched from outside: every tensor handed to ``pack`` freed
+  once forward is done (weak references: a pool that keeps the device tensor fails), each layer
+  copied back through ``_to_device`` once per step, after backward entered the block above it
+  and before it enters the layer's own block (never two ahead), at most two layers of copies
+  alive at once, none after backward; the pool's own books (host bytes, events) as well;
+* optimizer_offload: fp32, bf16 and fp16 models, AdamW with non-default betas, eps and weight
+  decay against torch.optim.AdamW on fp32 copies fed the same gradients over 5 steps, with a
+  frozen parameter (not taken), an unused one (never a gradient) and one with a gradient on even
+  steps only (its own step count drives its bias corrections, as torch's); fp32 master and
+  moments on the host (12 bytes per trainable parameter); parameters equal to their master cast;
+* accumulate: at world sizes 3 and 4 (1 a diagnostic), over every rank and over rank pairs
+  ({0,1}/{2,3}; {0,2}/{1}), m = 1, 2, 3 micro-batches, equal and unequal in size, 3 steps each,
+  a frozen and an unused parameter: gradients equal to one batch of each rank's micro-batches
+  (the mean over its tokens), averaged over the group's ranks; the loss returned; nothing
+  communicated before the last micro-batch, then one all-reduce per gradient over the group.
 """
 
 import pytest
