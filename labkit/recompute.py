@@ -34,6 +34,7 @@ formula).
 
 Tasks (run ``labkit grade recompute``; tests in ``tests/grading/test_recompute.py``):
     recompute.checkpoint  Checkpoint (an autograd.Function), checkpoint_every (the policy)
+    recompute.segments    checkpoint_segments: Chen's segments of k blocks, one checkpoint each (sqrt(L) memory)
     recompute.selective   causal_attention(..., selective=True): the core recomputed in backward
     recompute.offload     OffloadPool: pack, unpack, prefetch
     recompute.accumulate  accumulate: token-weighted micro-batches, one all-reduce per parameter at the end
@@ -189,7 +190,9 @@ class Checkpointed(nn.Module):
 
 def checkpoint_every(gpt: GPT, k: int) -> list[int]:
     """Wrap blocks 0, k, 2k, ... of ``gpt`` in ``Checkpointed`` (in place; parameter names gain
-    ``.block``); returns the indices wrapped. k = 1: every block."""
+    ``.block``); returns the indices wrapped. k = 1: every block. Each wrapped block is its own
+    checkpoint, so this interpolates between no recomputation and full; Chen et al.'s segments,
+    which reach sqrt(L) memory, are ``checkpoint_segments``."""
     if k < 1:
         raise ValueError(f"recompute: checkpoint every k-th block needs k >= 1, got {k}")
     # BEGIN SOLUTION recompute.checkpoint: for i with i % k == 0 replace gpt.blocks[i] by Checkpointed(gpt.blocks[i])
@@ -197,6 +200,31 @@ def checkpoint_every(gpt: GPT, k: int) -> list[int]:
     for i in wrapped:
         gpt.blocks[i] = Checkpointed(gpt.blocks[i])
     return wrapped
+    # END SOLUTION
+
+
+def checkpoint_segments(model: nn.Module, k: int) -> list[list[int]]:
+    """Chen et al.'s sqrt(L) scheme (arXiv:1604.06174, section 4): cut ``model.blocks`` (a
+    ModuleList run in order, as the course GPT's) into segments of k consecutive blocks (the last
+    one shorter when k does not divide L) and run each segment through ``Checkpoint`` as one
+    function: forward keeps only each segment's input, ceil(L/k) of them; backward rebuilds one
+    segment at a time, k blocks' activations at once. With I the bytes of a block's input and A
+    of what one block saves (A includes its input), the peak of saved bytes is
+
+        max(ceil(L/k) I,  max over segments j of  j I + k_j A)  ~  (L/k - 1) I + k A,
+
+    least at k = sqrt(L I / A): k = sqrt(L) where a block saves about its input (Chen's layers),
+    smaller (down to k = 1, every block on its own) where a block saves many times its input, as
+    a transformer block does. ``model.blocks`` is replaced (in place) by one ``Checkpointed``
+    ``nn.Sequential`` per segment (parameter names gain ``.block.<i>``); returns the segments
+    as lists of the original block indices."""
+    if k < 1:
+        raise ValueError(f"recompute: segments of k blocks need k >= 1, got {k}")
+    # BEGIN SOLUTION recompute.segments: runs of k consecutive block indices (the last may be shorter); model.blocks = ModuleList of Checkpointed(nn.Sequential(the run's blocks)); return the runs
+    blocks = list(model.blocks)
+    segments = [list(range(i, min(i + k, len(blocks)))) for i in range(0, len(blocks), k)]
+    model.blocks = nn.ModuleList(Checkpointed(nn.Sequential(*(blocks[i] for i in run))) for run in segments)
+    return segments
     # END SOLUTION
 
 

@@ -322,6 +322,107 @@ def checkpoint_memory(rank) -> None:
                 f"{sum(held)}, while block j is rebuilt: the blocks before it + its whole {kept})")
 
 
+class Scale(nn.Module):
+    """A block that saves exactly its input (x * w, w a parameter): A = I, Chen's setting."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, h, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def segments_on_rank() -> None:
+    from labkit.recompute import checkpoint_segments, memory_gpt
+    rank = dist.get_rank()
+    for bad in (0, -2):
+        with pytest.raises(ValueError):
+            checkpoint_segments(memory_gpt(CONFIG), bad)
+    plain = train(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
+    plain_stream = train_stream(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
+    L = CONFIG.n_layer
+    for k in (1, 2, 3, L, L + 1):
+        what = f"recompute.segments: rank {rank}, segments of {k} of {L} blocks"
+        want = [list(range(i, min(i + k, L))) for i in range(0, L, k)]
+        model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+        blocks = list(model.blocks)
+        got = checkpoint_segments(model, k)
+        assert [list(run) for run in got] == want, f"{what}: segments {got}, want {want}"
+        events, phase = [], ["forward"]
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda mod, args, i=i: events.append((phase[0], i)))
+        x, y = tokens(rank, 0)
+        loss = model(x, y)[1]
+        phase[0] = "backward"
+        loss.backward()
+        expected = [("forward", i) for i in range(L)] + [("backward", i) for run in reversed(want) for i in run]
+        assert events == expected, (f"{what}: block forwards traced {events}, want {expected} (in backward each "
+                                    "segment rebuilt whole, in order, the last segment first)")
+        model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+        checkpoint_segments(model, k)
+        assert_same_training(train(model, rank), plain, what + " vs no checkpointing (dropout on)")
+        if k == 2:
+            model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+            checkpoint_segments(model, k)
+            stream = train_stream(model, rank)
+            for step in range(STREAM_STEPS):
+                assert torch.equal(stream[2][step], plain_stream[2][step]), (
+                    f"{what}, step {step} (RNG seeded once): the global RNG stream after backward is not where "
+                    "training without checkpointing leaves it")
+            assert_same_training(stream, plain_stream, what + f", RNG seeded once over {STREAM_STEPS} steps")
+    # the peak of saved bytes, measured over forward and backward, vs the formula
+    def measured_peak(model, x):
+        peak = SavedPeak(model)
+        with peak.hooks():
+            out = model(x)
+            out.sum().backward()
+        return peak.peak
+
+    def formula(L, k, given, block):
+        runs = [min(k, L - i) for i in range(0, L, k)]
+        return max(len(runs) * given, max(j * given + n * block for j, n in enumerate(runs)))
+
+    for s, b, h, a in SHAPES[:2]:
+        config = GPTConfig(vocab_size=32, block_size=s, n_layer=4, n_head=a, n_embd=h)
+        given, block = s * b * h * 8, kept_bytes(s, b, h, a)
+        for k in (1, 2, 3, 4):
+            model = memory_gpt(config, DROPOUT, seed=rank).double()
+            checkpoint_segments(model, k)
+            stack = Stack(list(model.blocks))
+            got = measured_peak(stack, torch.randn(b, s, h, dtype=torch.float64, requires_grad=True))
+            want = formula(4, k, given, block)
+            assert got == want, (
+                f"recompute.segments: rank {rank}, 4 MemoryBlocks in segments of {k}, s={s} b={b} h={h} a={a}: peak "
+                f"of saved bytes measured {got} B, want {want} B = max(ceil(L/k) inputs, j inputs + the k blocks of "
+                f"segment j rebuilt, {block} B each)")
+    # sqrt(L): 16 blocks that each save their input (A = I): the measured peak is least at k = 4
+    h, layers = 64, 16
+    peaks = {}
+    for k in range(1, layers + 1):
+        stack = Stack([Scale(h) for _ in range(layers)])
+        checkpoint_segments(stack, k)
+        peaks[k] = measured_peak(stack, torch.randn(2, h, dtype=torch.float64, requires_grad=True))
+        want = formula(layers, k, 2 * h * 8, 2 * h * 8)
+        assert peaks[k] == want, (f"recompute.segments: rank {rank}, {layers} blocks saving their input, segments of "
+                                  f"{k}: peak measured {peaks[k]} B, want {want} B")
+    best = [k for k in peaks if peaks[k] == min(peaks.values())]
+    assert 4 in best and peaks[4] * 2 < peaks[1], (
+        f"recompute.segments: rank {rank}: the least peak at k = {best}, want k = sqrt(16) = 4 among them (its "
+        f"neighbours tie: a short last segment is rebuilt cheaply) and under half of k = 1's: {peaks}")
+
+
 # ----------------------------------------------------------------------------- selective
 
 def selective_on_rank() -> None:
@@ -591,6 +692,12 @@ def optimizer_offload_on_rank() -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_checkpoint(world_size):
     run_graded("recompute.checkpoint", checkpoint_on_rank, world_size, timeout=180)
+
+
+@task("recompute.segments", points=2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_segments(world_size):
+    run_graded("recompute.segments", segments_on_rank, world_size, timeout=120)
 
 
 @task("recompute.selective", points=2)

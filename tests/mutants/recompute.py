@@ -39,6 +39,24 @@ MUTANTS = [
            find="        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n",
            replace="        with torch.enable_grad():\n            outputs = ctx.fn(*args)\n"
                    "        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n"),
+    # recompute.segments
+    Mutant("recompute.segments", "checkpoint_each_block", "checkpoints each block of a segment on its own: every block's input kept",
+           find="    model.blocks = nn.ModuleList(Checkpointed(nn.Sequential(*(blocks[i] for i in run))) for run in segments)\n",
+           replace="    model.blocks = nn.ModuleList(nn.Sequential(*(Checkpointed(blocks[i]) for i in run)) for run in segments)\n"),
+    Mutant("recompute.segments", "not_checkpointed", "groups the blocks into segments but runs them as they are: nothing recomputed",
+           find="    model.blocks = nn.ModuleList(Checkpointed(nn.Sequential(*(blocks[i] for i in run))) for run in segments)\n",
+           replace="    model.blocks = nn.ModuleList(nn.Sequential(*(blocks[i] for i in run)) for run in segments)\n"),
+    Mutant("recompute.segments", "last_segment_dropped", "only whole segments of k: the blocks past the last multiple of k are lost",
+           find="    segments = [list(range(i, min(i + k, len(blocks)))) for i in range(0, len(blocks), k)]\n",
+           replace="    segments = [list(range(i, i + k)) for i in range(0, len(blocks) - len(blocks) % k, k)]\n"),
+    Mutant("recompute.segments", "every_kth_alone", "Chen's scheme read as checkpoint_every: block 0, k, 2k, ... each on its own",
+           find="    segments = [list(range(i, min(i + k, len(blocks)))) for i in range(0, len(blocks), k)]\n"
+                "    model.blocks = nn.ModuleList(Checkpointed(nn.Sequential(*(blocks[i] for i in run))) for run in segments)\n"
+                "    return segments\n",
+           replace="    return [[i] for i in checkpoint_every(model, k)]\n"),
+    Mutant("recompute.segments", "segments_of_k_minus_1", "segments one block short: range(i, i + k - 1)",
+           find="    segments = [list(range(i, min(i + k, len(blocks)))) for i in range(0, len(blocks), k)]\n",
+           replace="    segments = [list(range(i, min(i + max(k - 1, 1), len(blocks)))) for i in range(0, len(blocks), max(k - 1, 1))]\n"),
     # recompute.selective
     Mutant("recompute.selective", "keeps_softmax", "keeps the softmax output and recomputes only dropout and the last matmul",
            find="    return Checkpoint.apply(lambda q_, k_, v_: attention_core(q_, k_, v_, p), q, k, v)\n",
