@@ -48,7 +48,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
-from labkit.memory import SavedBytes
+from labkit.memory import SavedBytes, SavedPeak
 from labkit.models import GPTConfig
 from labkit.oracles import builtin_checkpoint
 
@@ -67,39 +67,6 @@ def kept_bytes(s, b, h, a, element=8, selective=False):
     """The chapter's count for a block kept whole, in fp32 on CPU (dropout multiplies by a float
     noise tensor): s b (72 h + 12 a s + 16); selective drops the 12 a s; x element size / 4."""
     return s * b * (72 * h + (0 if selective else 12 * a * s) + 16) * element // 4
-
-
-class SavedPeak:
-    """Measured here, not reported by the code under test: the bytes of the storages autograd
-    holds for backward (saved through ``saved_tensors_hooks``, each storage once, parameters
-    left out) while they are alive (weak references), and their peak, sampled at every save,
-    which is where the live set grows: in forward and in the recomputations of backward."""
-
-    def __init__(self, *exclude: nn.Module):
-        self.skip = {p.untyped_storage()._cdata for m in exclude for p in m.parameters()}
-        self.live: dict[int, StorageWeakRef] = {}
-        self.peak = 0
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        if storage._cdata not in self.skip:
-            known = self.live.get(storage._cdata)
-            if known is None or known.expired():
-                self.live[storage._cdata] = StorageWeakRef(storage)
-            self.peak = max(self.peak, self.live_bytes())
-        return t
-
-    def live_bytes(self) -> int:
-        total = 0
-        for key, ref in list(self.live.items()):
-            if ref.expired():
-                del self.live[key]
-            else:
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
-
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
 
 
 def train(model, rank, forward=None, steps=STEPS, on_step=None):
