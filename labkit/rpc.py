@@ -31,10 +31,12 @@ collectives (which cannot see RPC).
 Tasks (run ``labkit grade rpc``; tests in ``tests/grading/test_rpc.py``):
     rpc.remote_ps      a parameter server as a remote object: remote_forward, remote_step,
                        remote_gradients, make_optimizer (trainers hold an RRef to it)
-    rpc.batching_ps    BatchingServer.pull / .push (sum n trainers' gradients, one update, a
-                       staleness bound like chapter 01's) and train_batching (a trainer)
-    rpc.pipeline       Stage.forward and RpcPipeline.forward: two stages on two workers,
-                       micro-batches in flight at once through futures
+    rpc.batching_ps    BatchingServer.pull / .push (sum n trainers' gradients weighted by their
+                       shards' rows, one atomic update, a staleness bound like chapter 01's) and
+                       train_batching (a trainer)
+    rpc.pipeline       Stage.forward and RpcPipeline.forward: stages on their workers (two or
+                       more), micro-batches in flight at once through futures, one at a time
+                       in each stage
 """
 
 from __future__ import annotations
@@ -502,10 +504,11 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
 # ----------------------------------------------------------------------------- rpc.pipeline
 #
 # A model cut in stages, each stage an object on its own worker (an RRef held by the driver).
-# The driver splits the batch into M micro-batches and, for each one, asks stage 1 to run it
-# with ``remote`` (the output stays on stage 1's worker, as an RRef) and stage 2 to run that
-# with ``rpc_async`` (stage 2 fetches the activation straight from stage 1, and the driver
-# gets a future of the output). It sends every micro-batch before waiting for any output, so
+# The driver splits the batch into M micro-batches (``tensor_split``: 13 rows in 4 are 4, 3, 3,
+# 3) and, for each one, asks stage 1 to run it with ``remote`` (the output stays on stage 1's
+# worker, as an RRef), every later stage but the last to run the one before's output the same
+# way, and the last stage to run it with ``rpc_async`` (each stage fetches its input straight
+# from the stage before, and the driver gets a future of the output). It sends every micro-batch before waiting for any output, so
 # stage 1 works on micro-batch i + 1 while stage 2 works on micro-batch i; a lock per stage
 # keeps one micro-batch at a time in each stage. Under a dist_autograd context the backward
 # pass follows the same edges in reverse. Per micro-batch: x to stage 1 (B/M x H x b), the
