@@ -13,7 +13,7 @@ made around the module's wrappers count: the whole per-step trace (kind, peer, f
 bytes each way) is asserted against the technique's formula.
 
 rpc.remote_ps: a server model with a frozen parameter; for plain SGD, momentum SGD and AdamW
-(weight decay) in turn, the trainers take 5 steps each (in rank order, one barrier per turn),
+(weight decay) in turn, the trainers take 3 steps each (in rank order, one barrier per turn),
 each trainer with its own ``make_optimizer`` (its own optimizer state on the server). Before
 every step, on every trainer, distributed autograd's gradients (``remote_gradients``) equal
 local autograd's; after every turn the server's parameters equal one process applying the same
@@ -66,6 +66,7 @@ from labkit.check import assert_close
 from labkit.course.grading import run_graded, task
 
 H_IN, H_HID, H_OUT, STEPS, LR = 4, 6, 2, 5, 0.1
+REMOTE_STEPS = 3  # rpc.remote_ps: steps per optimizer (each trainer's optimizer state carried over 3 of its steps)
 BATCH = 13  # divides by none of 2, 3, 4: shards and micro-batches of unequal sizes
 
 OPTIMIZERS = [  # (name, class, kwargs): plain, and two with state
@@ -290,7 +291,7 @@ def remote_ps_trainer(R, name, opt_name, opt_class, opt_kwargs, group) -> None:
     reference = small_model(frozen=True)  # one process: the shared model, one optimizer per trainer
     ref_opts = {t: opt_class(reference.parameters(), lr=LR, **opt_kwargs) for t in trainers}
     P = param_bytes(reference)
-    for step in range(STEPS):
+    for step in range(REMOTE_STEPS):
         for turn in trainers:
             x, y = batch(step, turn)
             if rank == turn:
@@ -360,25 +361,26 @@ def unit_pulls(R, what) -> None:
 
 
 class HeldOptimizer(torch.optim.SGD):
-    """SGD whose step updates the first parameter, then holds (until ``others`` are done, at
-    most ``hold`` s), then updates the rest: a window in which a non-atomic update shows."""
+    """SGD(lr 0.5) whose first step updates the first parameter, sets ``started``, holds (until
+    the ``others`` events are set, at most ``hold`` s in all), then updates the rest: a window
+    in which a non-atomic update shows. Made again from its ``defaults`` it is plain SGD."""
 
-    def __init__(self, params, others, hold):
-        super().__init__(params, lr=0.5)
-        self.others, self.hold, self.steps = others, hold, 0
-        self.started = threading.Event()
+    def __init__(self, params, others=(), hold=0.0, started=None, **defaults):
+        super().__init__(params, **{"lr": 0.5, **defaults})
+        self.others, self.hold, self.started, self.steps = others, hold, started, 0
 
     @torch.no_grad()
     def step(self, closure=None):
-        params = [p for g in self.param_groups for p in g["params"]]
-        params[0].add_(params[0].grad, alpha=-0.5)
-        if self.steps == 0:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        lr = self.param_groups[0]["lr"]
+        params[0].add_(params[0].grad, alpha=-lr)
+        if self.steps == 0 and self.started is not None:
             self.started.set()
             end = time.monotonic() + self.hold
             for event in self.others:  # a locked update keeps them out: they finish after it
                 event.wait(max(0.0, end - time.monotonic()))
         for p in params[1:]:
-            p.add_(p.grad, alpha=-0.5)
+            p.add_(p.grad, alpha=-lr)
         self.steps += 1
 
 
@@ -390,31 +392,43 @@ def unit_atomic(R, what, hold=1.0) -> None:
     with torch.no_grad():
         model[0].weight.fill_(1.0)
         model[1].weight.fill_(1.0)
-    pulled, pushed = threading.Event(), threading.Event()
-    optimizer = HeldOptimizer(model.parameters(), [pulled, pushed], hold)
+    started, pulled, pushed = threading.Event(), threading.Event(), threading.Event()
+    optimizer = HeldOptimizer(model.parameters(), [pulled, pushed], hold, started)
     server = R.BatchingServer(model, 1, optimizer, 1)
     g = [torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64)]
-    seen = {}
+    seen, errors = {}, []
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(f"{fn.__name__}: {type(error).__name__}: {error}")
+        return run
 
     def push0():
-        server.push(1, 0, 0, g, 1)
+        try:
+            server.push(1, 0, 0, g, 1)
+        finally:
+            started.set()  # (if update 0 never reached the held step, the others go on after it)
 
     def pull0():
-        optimizer.started.wait(30)  # update 0 is mid-step
+        started.wait(30)  # update 0 is mid-step
         seen["pull"] = server.pull(0).wait()
         pulled.set()
 
     def push1():
-        optimizer.started.wait(30)
+        started.wait(30)
         server.push(1, 1, 0, [2 * t for t in g], 1)
         seen["version after push 1"] = server.version
         pushed.set()
 
-    threads = [threading.Thread(target=f) for f in (push0, pull0, push1)]
+    threads = [threading.Thread(target=guarded(f)) for f in (push0, pull0, push1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
+    assert not errors, f"{what}: {errors}"
     assert not any(t.is_alive() for t in threads), f"{what}: a push or pull never returned"
     params, version = seen["pull"]
     consistent = {0: [1.0, 1.0], 1: [0.5, 0.5], 2: [-0.5, -0.5]}
