@@ -774,8 +774,9 @@ def test_topk_on_chapter02_ddp(world_size):
 # ring and N - 1 receives of one chunk from the previous one, nothing else (the bytes of the
 # unsplit collective: (N-1)/N of the gathered tensor each way); and every one of them is
 # posted before a matmul and waited on after it (``assert_overlap`` on the timeline of the
-# matmuls: event order, not time). Bad shapes raise ValueError with nothing traced. At N = 4
-# also over a subgroup (ranks in pairs): peers are the partner's global rank.
+# matmuls: event order, not time). Bad shapes raise ValueError with nothing traced. At N = 3 and
+# 4 also over every subgroup (a 2 x 2 grid's rows and columns; {0, 2} and {1}), float64 and
+# float32: peers are the group's next and previous members (global ranks).
 # compress.matmul_rs also runs ``CollectiveMatmulMLP`` against ``labkit.models.MLP``.
 
 from types import SimpleNamespace
@@ -860,35 +861,42 @@ def sgd(*params) -> None:
             p.grad = None
 
 
-def on_a_pair(column: bool) -> None:
-    """At N = 4, the layer over a subgroup (ranks in pairs): the ring's peers are the partner's
-    global rank, the result the pair's own (one process), forward and backward."""
+def on_subgroups(column: bool) -> None:
+    """At N = 3 and 4, the layer over every subgroup (``subgroups``: a 2 x 2 grid's rows and
+    columns, the pair {0, 2} and a rank alone), float64 and float32: the ring's peers are the
+    group's next and previous members (global ranks), the result the group's own (one
+    process), forward and backward."""
     from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
     rank = dist.get_rank()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    members = [rank // 2 * 2, rank // 2 * 2 + 1]
-    me, partner = members.index(rank), members[1 - members.index(rank)]
-    what = f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, over the pair {members}"
-    t, width = CM_T // 2, CM_HIDDEN // 2
-    rows, cols = slice(me * t, (me + 1) * t), slice(me * width, (me + 1) * width)
-    full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5)
-    layer = (AllGatherColumnLinear if column else MatmulReduceScatterLinear).from_linear(full, pairs[rank // 2])
-    x = cm_seeded(CM_B, CM_T, full.in_features, seed=60 + rank // 2)  # each pair its own input
-    upstream = cm_seeded(CM_B, CM_T, full.out_features, seed=70 + rank // 2)
-    mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
-    with CommTracer() as tracer:
-        y = layer(mine)
-        y.backward(upstream[..., cols] if column else upstream[:, rows])
-    message = CM_B * t * CM_EMBD * 8
-    assert_ops(tracer, 2 * [Op("send", message, peer=partner), Op("recv", message, peer=partner)],
-               f"{what}: forward and backward, one ring step each with the partner (global rank {partner})")
-    y_one = full(one)
-    y_one.backward(upstream)
-    assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process", rtol=CM_TOL, atol=CM_TOL)
-    assert_close(mine.grad, one.grad[:, rows] if column else one.grad[..., cols], f"{what}: grad x vs one process",
-                 rtol=CM_TOL, atol=CM_TOL)
-    assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
-                 f"{what}: grad weight vs one process", rtol=CM_TOL, atol=CM_TOL)
+    for (members, group), dtype in itertools.product(subgroups(), (torch.float64, torch.float32)):
+        size, me = len(members), members.index(rank)
+        what = (f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, over the group {members}, "
+                f"{dtype}")
+        tol = CM_TOL if dtype == torch.float64 else 1e-5
+        t, width = CM_T // size, CM_HIDDEN // size
+        rows, cols = slice(me * t, (me + 1) * t), slice(me * width, (me + 1) * width)
+        full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5)
+        full = full.to(dtype)
+        layer = (AllGatherColumnLinear if column else MatmulReduceScatterLinear).from_linear(full, group)
+        seed = 60 + 7 * members[0] + len(members)  # each group its own input
+        x = cm_seeded(CM_B, CM_T, full.in_features, seed=seed).to(dtype)
+        upstream = cm_seeded(CM_B, CM_T, full.out_features, seed=seed + 1).to(dtype)
+        mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
+        with CommTracer() as tracer:
+            y = layer(mine)
+            y.backward(upstream[..., cols] if column else upstream[:, rows])
+        message = CM_B * t * CM_EMBD * x.element_size()
+        after_me, before_me = members[(me + 1) % size], members[(me - 1) % size]
+        assert_ops(tracer, 2 * (size - 1) * [Op("send", message, peer=after_me), Op("recv", message, peer=before_me)],
+                   f"{what}: forward and backward, {size - 1} ring steps each: to the next member (global rank "
+                   f"{after_me}), from the previous one ({before_me})")
+        y_one = full(one)
+        y_one.backward(upstream)
+        assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process", rtol=tol, atol=tol)
+        assert_close(mine.grad, one.grad[:, rows] if column else one.grad[..., cols], f"{what}: grad x vs one process",
+                     rtol=tol, atol=tol)
+        assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
+                     f"{what}: grad weight vs one process", rtol=tol, atol=tol)
 
 
 def ag_matmul_on_rank() -> None:
@@ -930,8 +938,7 @@ def ag_matmul_on_rank() -> None:
             assert_close(got, unsplit, f"{what}: {name} vs the unsplit all-gather", rtol=CM_TOL, atol=CM_TOL)
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
-    if n == 4:
-        on_a_pair(column=True)
+    on_subgroups(column=True)
 
 
 def matmul_rs_on_rank() -> None:
@@ -978,8 +985,7 @@ def matmul_rs_on_rank() -> None:
             assert_close(got, unsplit, f"{what}: {name} vs the unsplit reduce-scatter", rtol=CM_TOL, atol=CM_TOL)
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
-    if n == 4:
-        on_a_pair(column=False)
+    on_subgroups(column=False)
 
     with torch.random.fork_rng(devices=[]):  # the MLP block, sequence-parallel on both collective matmuls
         torch.manual_seed(3)
