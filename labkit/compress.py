@@ -7,13 +7,17 @@ Two levers cut its cost:
   *communication hook*, ``hook(state, bucket) -> torch.futures.Future[Tensor]``: the hook gets
   the bucket's flat gradient (``bucket.buffer()``, the per-parameter views in
   ``bucket.gradients()``), must leave the average of every rank's bucket in it, and returns a
-  future whose value is that buffer. ``ddp.register_comm_hook(state, hook)`` installs one on
+  future whose value is that buffer. It returns while its collectives are still in flight (not
+  a completed future: DDP's backward goes on with the next buckets meanwhile); a step that
+  needs a collective's result is chained on its future (``.then``, ``after``). ``ddp.register_comm_hook(state, hook)`` installs one on
   ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` (below) lets you call a hook
   by hand on a list of tensors.
 
   - fp16/bf16: cast the bucket to 16 bits, divide by N *before* summing (an fp16 sum of N
     large gradients overflows at 65504), all-reduce, cast back. Half the bytes; each value
-    carries a relative error of about 2^-11 (fp16) or 2^-8 (bf16).
+    carries a relative error of about 2^-11 (fp16) or 2^-8 (bf16). Dividing first trades
+    overflow for underflow (quotients below 6.1e-5 lose bits, below 6e-8 vanish): fp16
+    training scales the loss (``torch.amp.GradScaler``); bf16 has fp32's range.
   - PowerSGD (Vogels, Karimireddy and Jaggi, 2019, arXiv:1905.13727): view each gradient
     as an n x m matrix M and send a rank-r approximation, r(n + m) numbers instead of nm,
     found by one step of power iteration per training step:
@@ -29,7 +33,9 @@ Two levers cut its cost:
       * tensors not worth compressing (biases and other 1-D tensors, any matrix where
         r(n + m) x min_compression_rate >= nm) go through one plain all-reduce.
     ``PowerSGDState`` (given) holds the same state as torch's ``PowerSGDState`` (per bucket:
-    the error, P and Q), so the two hooks can be compared step by step.
+    the error, P and Q), so the two hooks can be compared step by step. Like torch, lay P
+    and Q out (and draw the first random Qs) grouped by matrix shape: on a transformer the
+    shapes repeat layer after layer, and bucket order would give each Q other numbers.
   - top-k (Aji and Heafield 2017, arXiv:1704.05021; Lin et al. 2018, arXiv:1712.01887):
     each rank sends only the k = ratio x numel entries of largest magnitude, as (index,
     value) pairs, and keeps the rest as its error for the next step (error feedback,
