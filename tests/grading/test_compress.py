@@ -27,11 +27,13 @@ column space, and with epsilon equal to Gram-Schmidt with norm + epsilon (a one-
 derivation, epsilon 0.5), a zero column staying zero (finite) with epsilon 1e-8.
 By hand, your ``powersgd_hook`` and torch's ``powerSGD_hook`` (it runs on a ``FlatBucket``) on two
 buckets whose shapes repeat interleaved (two matrix shapes alternating, a conv weight [6, 2, 3, 3]
-viewed 6 x 18, 1-D biases, a 4 x 4 never worth compressing, the conv not worth it at r = 3),
+viewed 6 x 18, 1-D biases, a 4 x 4 never worth compressing, the conv not worth it at r = 3; and a
+bucket of matrices only, whose plain all-reduce is empty),
 6 steps per configuration: rank r = 1, 2, 3; error feedback on and off; warm start on and off;
 orthogonalization_epsilon 0, 1e-8 (with an all-zero gradient matrix in the bucket, where 0 would
 give NaN) and 0.1; min_compression_rate 1, 2 and 4; start_powerSGD_iter 2 and 3; over the world
-and over subgroups: the averages after every step and the error state equal torch's (1e-9); the
+and over subgroups: the averages after every step and the error state equal torch's (1e-9), and
+the buckets it keeps an error, P and Q for are torch's (none kept without warm start); the
 whole trace per bucket (including the Q all-reduce issued from a callback) a warm-up all-reduce
 of the bucket, then the uncompressed elements, P = sum n r and Q = sum m r, over the group;
 error feedback's identity (sum of applied averages = sum of true averages - mean error).
@@ -55,12 +57,14 @@ elements (some not multiples of L), every rank: equal to ``dist.all_reduce`` (bf
 exact), and the whole trace is a reduce-scatter of the padded buffer in this rank's node group, an
 all-reduce of its 1/L shard in its across-node group and an all-gather of the padded buffer in the
 node group, whose ring bytes per link class equal ``hierarchical_bytes``; ``async_op=True``
-returns a pending future. A layout that is not the world raises ValueError with nothing traced.
+returns a pending future; without it the call returns only once every rank has joined (the
+others join 0.5 s after the first started, and check it has not returned yet). A layout that is not the world raises ValueError with nothing traced.
 As a DDP hook (several buckets), 3 steps of AdamW equal plain DDP.
 """
 
 import datetime
 import itertools
+import time
 
 import pytest
 import torch
@@ -90,6 +94,27 @@ def subgroups() -> list[tuple[list[int], object]]:
             cases += [(members, group) for members, group in zip(layout, made) if rank in members]
         _GROUPS[n] = cases
     return _GROUPS[n]
+
+
+def blocks_until_joined(what: str, members: list[int], call) -> None:
+    """A synchronous collective must not return before every member has joined it: the first
+    member calls ``call()``; the others, once it has started, let 0.5 s pass, check that it has
+    not returned, and join. (A right implementation cannot return early, however slow the
+    machine; a wrong one that returns at once is caught unless it takes over 0.5 s to do so.)"""
+    store = dist.distributed_c10d._get_default_store()
+    key = f"compress-join-{next(_TURNS)}"
+    rank = dist.get_rank()
+    if rank == members[0]:
+        store.set(f"{key}/entered", "1")
+        call()
+        store.set(f"{key}/returned", "1")
+        return
+    store.wait([f"{key}/entered"], TURN_TIMEOUT)
+    time.sleep(0.5)
+    assert not store.check([f"{key}/returned"]), (
+        f"{what}: rank {members[0]}'s call returned before rank {rank} had joined the collective: without "
+        "async_op it must wait for its collectives (and leave the sum in the tensor)")
+    call()
 
 
 def entered_in_turn(what: str, members: list[int], call) -> object:
@@ -268,6 +293,7 @@ def formulas_of_powersgd() -> None:
 # Shapes of the by-hand buckets: two matrix shapes alternating (a transformer's layout), a conv
 # weight, biases; 4 x 4 is never worth compressing, the conv (6 x 18) not at r = 3.
 PSGD_BUCKETS = [[(16, 8), (8,), (12, 16), (16, 8), (12, 16), (12,)],
+                [(16, 8), (12, 16)],  # every tensor compressed: the plain all-reduce is empty
                 [(6, 2, 3, 3), (6,), (16, 8), (4, 4), (12, 16)]]
 ZERO_SHAPE = (10, 6)  # with orthogonalization_epsilon > 0: a gradient matrix that is all zeros
 # (r, error feedback, warm start, epsilon, min_compression_rate, start_powerSGD_iter, group case)
@@ -323,6 +349,10 @@ def powersgd_vs_torch_by_hand() -> None:
                                  rtol=1e-9, atol=1e-9)
             assert mine.iter == theirs.iter, f"compress.powersgd: {config}: iter {mine.iter} after step {step + 1}, " \
                                              f"torch's {theirs.iter}"
+            for name in ("error_dict", "p_memory_dict", "q_memory_dict"):  # what the state keeps (memory)
+                assert sorted(getattr(mine, name)) == sorted(getattr(theirs, name)), (
+                    f"compress.powersgd: rank {rank}, {config}, after step {step + 1}: state.{name} holds buckets "
+                    f"{sorted(getattr(mine, name))}, torch's {sorted(getattr(theirs, name))}")
             if feedback:
                 sent = torch.cat(sent_all)
                 true_mean = sent.clone()
@@ -599,6 +629,11 @@ def hierarchical_on_rank() -> None:
                 over = sum(e.wire_bytes for e in tracer.events if e.kind == "all_reduce")
                 assert abs(inside - links["inside"]) < 1e-9 and abs(over - links["across"]) < 1e-9, \
                     f"{what}: ring bytes per link class {inside}, {over} vs the formula {links}"
+        x = torch.arange(10, dtype=torch.float64) * (rank + 1)
+        blocks_until_joined(f"compress.hierarchical: {nodes} x {per_node}", list(range(world)),
+                            lambda: hierarchical_all_reduce(x, groups))
+        assert torch.equal(x, torch.arange(10, dtype=torch.float64) * sum(range(1, world + 1))), \
+            f"compress.hierarchical: rank {rank}, {nodes} x {per_node}: the sum once the call returned"
         x = torch.arange(10, dtype=torch.float64) * (rank + 1)
         value = entered_in_turn(f"compress.hierarchical: async_op=True, {nodes} x {per_node}", list(range(world)),
                                 lambda: hierarchical_all_reduce(x, groups, async_op=True))

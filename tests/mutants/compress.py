@@ -35,8 +35,9 @@ MUTANTS = [
     Mutant("compress.powersgd", "no_error_feedback", "never adds last step's error back: what compression drops is lost",
            find="            buffer.add_(state.error_dict[index])\n", replace="            pass\n"),
     Mutant("compress.powersgd", "error_feedback_always", "keeps and adds the error even when use_error_feedback is off",
-           find="    if state.use_error_feedback:\n        if index in state.error_dict:",
-           replace="    if True:\n        if index in state.error_dict:"),
+           find="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n    if state.use_error_feedback:",
+           replace="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n"
+                   "    state.use_error_feedback = True  # the option ignored\n    if state.use_error_feedback:"),
     Mutant("compress.powersgd", "error_not_carried", "computes the error but from the gradient before the old error was added",
            find="        intended = buffer.clone()\n",
            replace="        intended = buffer.clone() - state.error_dict.get(index, 0)\n"),
@@ -47,7 +48,12 @@ MUTANTS = [
            find="fresh = not state.warm_start or index not in state.q_memory_dict", replace="fresh = True"),
     Mutant("compress.powersgd", "warm_start_ignored", "always continues from last step's Q, even with warm_start=False",
            find="    fresh = not state.warm_start or index not in state.q_memory_dict\n",
-           replace="    fresh = index not in state.q_memory_dict\n"),
+           replace="    state.warm_start = True  # the option ignored\n"
+                   "    fresh = not state.warm_start or index not in state.q_memory_dict\n"),
+    Mutant("compress.powersgd", "warm_start_keeps_memory", "with warm_start=False draws fresh Qs but never frees P and Q "
+           "(torch's state holds none between steps)",
+           find="        if not state.warm_start:\n            state.p_memory_dict.clear()\n",
+           replace="        if False:\n            state.p_memory_dict.clear()\n"),
     Mutant("compress.powersgd", "epsilon_ignored", "orthogonalises P and Q without orthogonalization_epsilon",
            find="            orthogonalize(p, state.orthogonalization_epsilon)\n",
            replace="            orthogonalize(p)\n"),
