@@ -446,3 +446,32 @@ def ring_all_reduce_time(size_bytes: float, world: int, alpha: float, beta: floa
         return 0.0
     steps = 2 * (world - 1)
     return steps * alpha + steps * (size_bytes / world) * beta
+
+
+class ConfinedTracer(CommTracer):
+    """A ``CommTracer`` that fails at once when an op leaves ``members`` (global ranks): a
+    send or receive whose peer is outside, or a collective over a group with a rank outside.
+
+    Graded tests of a function that takes a group run it under this on a subgroup: a wrong
+    implementation (the group ignored, the group's rank taken for a global rank) then fails
+    with the op named, at the moment it is posted, instead of hanging on a rank that never
+    answers."""
+
+    def __init__(self, members, what: str):
+        super().__init__()
+        self.members = tuple(members)
+        self.what = what
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for event in self.events[before:]:
+            outside = ({event.peer} if event.peer is not None else set(event.group)) - set(self.members)
+            if outside:
+                where = (f"{'to' if event.kind == 'send' else 'from'} rank {event.peer}" if event.peer is not None
+                         else f"over ranks {list(event.group)}")
+                raise AssertionError(
+                    f"{self.what}: a {event.kind} {where} leaves the group {list(self.members)} (global "
+                    f"ranks): use the group's ranks and size (dist.get_rank(group), dist.get_world_size(group)) "
+                    f"and translate a group rank to a global one with dist.get_global_rank(group, r)")
+        return out
