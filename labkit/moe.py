@@ -230,7 +230,7 @@ class ExpertParallelMoE(nn.Module):
         per_expert = received.sum(dim=0).tolist()
         outputs = [expert_mlp(block, self.w1[e], self.w2[e])
                    for e, block in enumerate(rows[by_expert].split(per_expert))]
-        computed = torch.cat(outputs) if outputs else rows
+        computed = torch.cat(outputs)  # never empty: every rank holds E/N >= 1 experts
         results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to received order
         back = AllToAll.apply(results, send_splits, recv_splits, self.group)
         unsorted = torch.empty_like(back).index_copy(0, order, back)          # the inverse permutation
