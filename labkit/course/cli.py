@@ -1,4 +1,4 @@
-"""The ``labkit`` command: grade, tasks, workspace, autograder, bench, doctor.
+"""The ``labkit`` command: grade, coverage, tasks, workspace, autograder, mutate, bench, doctor.
 
 Every command works on the course tree you stand in (a clone or a learner workspace; the
 nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
@@ -53,6 +53,32 @@ def cmd_grade(args, root: Path) -> int:
     return 0 if scores and all(s.score == s.max_score for s in scores) else 1
 
 
+def cmd_coverage(args, root: Path) -> int:
+    import tempfile
+
+    from labkit.course import coverage
+    if workspace.is_student_workspace(root):
+        raise ValueError("coverage measures the reference solutions: run it in a clone, not a workspace")
+    chapters, tasks = grading.split_selection(args.selection)
+    files = grading.grading_files(chapters, root)
+    modules = {f.stem.removeprefix("test_") for f in files}
+    wanted = tasks or sorted((t for t in grading.known_tasks(root) if t.split(".")[0] in modules),
+                             key=grading.task_order)
+    print(f"labkit coverage: the graded tests of {', '.join(wanted)} on {tree_label(root)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="labkit-coverage-") as folder:
+        env = {k: v for k, v in os.environ.items() if k != coverage.OWNER_ENV}
+        env[coverage.DIR_ENV] = folder
+        extra = ["-k", args.k] if args.k else []
+        records, _ = grading.run_tests(files, root, extra, tasks, env=env, progress=args.progress)
+        results, errors = coverage.measure(folder, root, wanted)
+    failed = [r for r in records if r["outcome"] == "failed"]
+    print()
+    print(coverage.format_report(results, errors))
+    if failed:
+        print(f"{len(failed)} graded test(s) failed, so the coverage above is partial: labkit grade says why")
+    return 0 if not failed and not errors and all(r.complete for r in results) else 1
+
+
 def cmd_tasks(args, root: Path) -> int:
     from labkit.course import catalog
     infos = catalog.tasks(root)
@@ -102,6 +128,12 @@ def cmd_bench(args, root: Path | None) -> int:
 # ----------------------------------------------------------------------------- parser
 
 
+def cmd_mutate(args, root: Path) -> int:
+    from labkit.course import automut
+    return automut.run(root, args.selection, sample=args.sample, seed=args.seed, jobs=args.jobs,
+                       timeout=args.timeout, batch=args.batch, list_only=args.list, ids=args.id)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labkit", description="Parallelism Labs tools")
     parser.add_argument("--root", help="the course tree to use (default: the one you are in)")
@@ -114,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
     grade.add_argument("--verbose", "-v", action="store_true", help="pytest's full output and tracebacks")
     grade.set_defaults(run=cmd_grade)
+
+    cov = sub.add_parser("coverage", help="lines and branches of each task's solution regions its own tests run")
+    cov.add_argument("selection", nargs="*", metavar="chapter|task",
+                     help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    cov.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    cov.add_argument("--progress", action="store_true", help="a line per graded test as it finishes")
+    cov.set_defaults(run=cmd_coverage)
 
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
     tasks.set_defaults(run=cmd_tasks)
@@ -128,6 +167,20 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("-o", "--output", default="autograder.zip", help="zip to write")
     ag.add_argument("--timeout", type=float, default=60, help="seconds per graded launch")
     ag.set_defaults(run=cmd_autograder)
+
+    mutate = sub.add_parser("mutate", help="grade mechanical mutations of every solution region; print survivors")
+    mutate.add_argument("selection", nargs="*", metavar="chapter|task",
+                        help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    mutate.add_argument("--sample", type=int, metavar="N", help="only N mutants per task, at random")
+    mutate.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    mutate.add_argument("--jobs", "-j", type=int, default=2, help="pytest processes at once")
+    mutate.add_argument("--timeout", type=float, default=600,
+                        help="seconds per mutant; one that takes longer counts as killed (and is named)")
+    mutate.add_argument("--batch", type=int, default=8, help="mutants of one task per pytest process")
+    mutate.add_argument("--id", action="append", default=[], metavar="ID",
+                        help="only this mutant (<task>/<op>/<hash>, as printed; repeatable)")
+    mutate.add_argument("--list", action="store_true", help="only list the mutants")
+    mutate.set_defaults(run=cmd_mutate)
 
     doctor = sub.add_parser("doctor", help="versions, GPUs, the backend launch picks, and a measured all-reduce")
     doctor.add_argument("--world-size", type=int, help="ranks for the measurement (default: GPUs, or 2)")

@@ -13,6 +13,7 @@ No threads here: forking a process that has other threads running is unsafe.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -26,6 +27,8 @@ from labkit.runtime import deadlock, worker  # imports torch: the whole point of
 PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.optim", "torch.distributed.pipelining", "torch.nn.parallel",
            "labkit.comm", "labkit.memory", "labkit.check"]
+if os.environ.get("LABKIT_COVERAGE") and importlib.util.find_spec("coverage"):
+    PRELOAD += ["coverage", "labkit.runtime.taskcov"]  # a measured run's ranks record (labkit.runtime.taskcov)
 
 
 def _reap(children: dict[int, str]) -> None:
