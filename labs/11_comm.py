@@ -274,8 +274,8 @@ def report_chapter02_ddp(results) -> bool:
 
 # ----------------------------------------------------------------------------- collective matmul
 
-CM_B, CM_T, CM_EMBD = 2, 24, 24      # the check (T and 4 n_embd divide by 1, 2, 3, 4)
-CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (divide by 1-4)
+CM_B, CM_T, CM_EMBD = 2, 48, 24      # the check (T and 4 n_embd divide by 1-4, 6, 8, 12, 16)
+CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (as CM_T)
 CM_REPEATS = 9
 
 

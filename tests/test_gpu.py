@@ -33,9 +33,12 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("world_size", [n for n in (1, 2, 4, 8) if n <= max(GPUS, 1)])
+@pytest.mark.parametrize("world_size", [n for n in (1, 2, 4, 8, 16) if n <= max(GPUS, 1)])
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
 def test_every_lab_script_on_nccl(script, world_size):
+    from labkit.course.labscript import world_size_error
+    if world_size_error(script.name[:2], world_size):   # lab 13 at 1: a server needs a trainer
+        pytest.skip(world_size_error(script.name[:2], world_size))
     proc = run(sys.executable, str(script), "--world-size", str(world_size), "--backend", "nccl")
     assert proc.returncode == 0, f"{script.name} at {world_size} on NCCL:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     assert "backend nccl" in proc.stdout or "nccl" in proc.stdout.lower(), proc.stdout[:500]
