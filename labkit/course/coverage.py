@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,7 +131,9 @@ def measure(folder: str | Path, root: Path, tasks: list[str]) -> tuple[list[Task
     files = [str(p) for p in Path(folder).glob("cov.*")]
     cov.erase()
     if files:
-        cov.combine(files, keep=True)
+        with warnings.catch_warnings():  # a rank killed while saving leaves an unreadable file: skipped
+            warnings.simplefilter("ignore")
+            cov.combine(files, keep=True)
     data = cov.get_data()
     excluded, errors = exclusions(root)
     regions = workspace.all_regions(root / "labkit")
