@@ -11,6 +11,7 @@ import pytest
 
 import labkit
 from labkit.course import coverage
+from tests.conftest import needs_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,6 +106,7 @@ def test_an_exclusion_without_a_reason_or_a_line_is_an_error(tmp_path, exclusion
     assert len(errors) == 1 and error in errors[0], errors
 
 
+@needs_solutions
 def test_the_ranks_of_a_launch_record_under_its_task(tmp_path, monkeypatch):
     """A launch while TASK_ENV names a task: its ranks' lines count for that task only."""
     import torch

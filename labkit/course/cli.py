@@ -88,7 +88,7 @@ def cmd_coverage(args, root: Path) -> int:
         env = {k: v for k, v in os.environ.items() if k != coverage.OWNER_ENV}
         env[coverage.DIR_ENV] = folder
         extra = ["-k", args.k] if args.k else []
-        records, _ = grading.run_tests(files, root, extra, tasks, env=env, progress=args.progress)
+        records, _ = grading.run_tests(files, root, extra, tasks, env=env)
         results, errors = coverage.measure(folder, root, wanted)
     failed = [r for r in records if r["outcome"] == "failed"]
     print()
@@ -188,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     cov.add_argument("selection", nargs="*", metavar="chapter|task",
                      help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
     cov.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
-    cov.add_argument("--progress", action="store_true", help="a line per graded test as it finishes")
     cov.set_defaults(run=cmd_coverage)
 
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
