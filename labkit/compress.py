@@ -44,11 +44,14 @@ Two levers cut its cost:
     everyone's pairs (N k of them) and adds them up itself.
 
 * Route by topology. Inside a node GPUs talk over NVLink (hundreds of GB/s); across nodes
-  over InfiniBand or Ethernet (tens of GB/s per GPU). A flat ring crosses the slow links with
-  the whole buffer. Hierarchical all-reduce on ``nodes x ranks_per_node`` ranks:
-  reduce-scatter inside the node (each rank holds the node's sum of 1/L of the buffer),
-  all-reduce of that shard across nodes (one rank per node and shard: 1/L of the bytes on the
-  slow link), all-gather inside the node.
+  over InfiniBand or Ethernet (tens of GB/s per GPU). Both a flat ring and the hierarchical
+  scheme send about 2S out of each node; what differs is how many NICs carry it and how many
+  latency terms it pays (one ring uses one NIC per node; NCCL's rail-aligned rings use them
+  all; chapter 11 section 1 compares the three). Hierarchical all-reduce on
+  ``nodes x ranks_per_node`` ranks: reduce-scatter inside the node (each rank holds the
+  node's sum of 1/L of the buffer), all-reduce of that shard across nodes (one ring per local
+  index, all L at once: each rank sends 1/L of the bytes over its own NIC), all-gather inside
+  the node: 2(L - 1) + 2(M - 1) steps instead of the flat ring's 2(N - 1).
 
 * Hide what remains (the last section, "collective matmul"). Sequence parallelism's all-gather
   before a column-parallel matmul, and its reduce-scatter after a row-parallel one, are split
