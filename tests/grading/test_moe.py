@@ -26,9 +26,9 @@ moe.dispatch: ``AllToAll`` and ``exchange_counts`` on the world and on subgroups
 pair {0, 1} with rank 2 a bystander; N = 4: the pairs {0, 1}, {2, 3} and the 2x2 grid's
 other axis {0, 2}, {1, 3}), in float64, float32, bfloat16 and float16, with uneven splits (a
 rank that sends nothing, a rank that receives nothing), a non-contiguous input, the
-backward, and exchange_counts with 1, 2 and 3 experts per rank; values are exact (data
-movement); the trace is exactly one all-to-all forward and one backward in that group, of
-max(rows sent, received) x H x element size bytes.
+backward, and exchange_counts with 1, 2 and 3 experts per rank (2: counts a strided view);
+values are exact (data movement); the trace is exactly one all-to-all forward and one
+backward in that group, of max(rows sent, received) x H x element size bytes.
 
 moe.layer: ``ExpertParallelMoE`` on the world and the same subgroups at k = 1, 2, 3 and E,
 dropless, dropping, exactly at capacity, uneven routing (experts with no token, ranks that
@@ -317,11 +317,14 @@ def dispatch_on_rank() -> None:
                     f"{what}: the second all-to-all must run in backward"
         for local in (1, 2, 3):
             counts = torch.tensor([(10 * me + e) * (e % 3 != 1) for e in range(local * m)], dtype=torch.int64)
+            if local == 2:  # a strided view (a column of a [E, 2] table)
+                counts = torch.stack([counts, -counts], dim=1)[:, 0]
             with CommTracer() as tracer:
                 got = exchange_counts(counts, group)
             want = torch.tensor([[(10 * s + me * local + e) * ((me * local + e) % 3 != 1) for e in range(local)]
                                  for s in range(m)], dtype=torch.int64)
-            what = f"moe.dispatch: exchange_counts on rank {rank}, {group_name}, {local} experts per rank"
+            what = f"moe.dispatch: exchange_counts on rank {rank}, {group_name}, {local} experts per rank" + (
+                ", counts a strided view" if local == 2 else "")
             assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and torch.equal(got, want), \
                 f"{what}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
             assert_sequence(tracer, [Op("all_to_all", counts.nbytes, members)],

@@ -125,3 +125,14 @@ MUTANTS += [
            find="    for p in model.parameters():\n        if p.grad is None:",
            replace="    for p in reversed(list(model.parameters())):\n        if p.grad is None:"),
 ]
+
+# Automatic mutants (labkit mutate moe) that change nothing a learner could get wrong.
+EQUIVALENT = {
+    "moe.layer/bool/c3eb7bf4": "argsort(expert_of, stable=False): the rows of one expert may leave in another order, "
+                               "but combine un-permutes with the same `order` (index_copy) and an expert's MLP acts "
+                               "row by row, so y, aux and every gradient are the same (w1/w2 gradients summed in "
+                               "another order: rounding only)",
+    "moe.layer/bool/7319cc33": "argsort(local_expert, stable=False): the regrouping by local expert is undone by "
+                               "index_copy with the same `by_expert`, and rows within an expert are independent: "
+                               "the same outputs and gradients up to summation order",
+}
