@@ -11,7 +11,10 @@ is active. It sits at the dispatcher: ``dist.all_reduce``, ``ProcessGroup.allred
 
 Each event also names its group (the global ranks) and, for a send or receive, its peer;
 with the compute ops and the ``wait()`` calls in between, ``tracer.timeline`` is the order of
-post, compute and wait that overlap is judged by. Graded tests compare the whole trace with
+post, compute and wait that overlap is judged by. A callback chained on a future while a
+tracer is active (``future.then(...)``, ``add_done_callback``) runs under that tracer on
+whatever thread completes the future (gloo's, for a collective's future), so the collectives a
+communication hook issues from its callbacks are traced too. Graded tests compare the whole trace with
 the technique's formula (``assert_ops``) and check overlap where a technique claims it
 (``assert_overlap``).
 
@@ -240,11 +243,33 @@ class CommTracer(TorchDispatchMode):
 
 _ACTIVE: list[CommTracer] = []
 _ORIGINAL_WAIT = None
+_ORIGINAL_FUTURE = {}  # "then" / "add_done_callback" -> torch._C.Future's own method
+
+
+def _under_tracers(callback):
+    """``callback`` made to run under the tracers active now, on whatever thread runs it (a
+    tracer that has exited by then is skipped; one already on that thread's stack is not
+    entered twice)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+    tracers = list(_ACTIVE)
+
+    def run(future):
+        stack = _get_current_dispatch_mode_stack()
+        pushed = [t for t in tracers if t in _ACTIVE and all(t is not m for m in stack)]
+        for tracer in pushed:
+            _push_mode(tracer)
+        try:
+            return callback(future)
+        finally:
+            for _ in pushed:
+                _pop_mode()
+    return run
 
 
 def _patch_work_wait() -> None:
     """Route ``Work.wait()`` through the active tracers while one is active: a wait is no
-    dispatcher op, but overlap is judged by when it happens."""
+    dispatcher op, but overlap is judged by when it happens. Callbacks chained on futures
+    meanwhile run under the active tracers (see the module docstring)."""
     global _ORIGINAL_WAIT
     if _ORIGINAL_WAIT is not None:
         return
@@ -257,6 +282,13 @@ def _patch_work_wait() -> None:
         return _ORIGINAL_WAIT(self, *args, **kwargs)
 
     work_class.wait = wait
+    for name in ("then", "add_done_callback"):
+        original = _ORIGINAL_FUTURE[name] = getattr(torch._C.Future, name)
+
+        def chained(self, callback, _original=original):
+            return _original(self, _under_tracers(callback))
+
+        setattr(torch._C.Future, name, chained)
 
 
 def _unpatch_work_wait() -> None:
@@ -264,6 +296,9 @@ def _unpatch_work_wait() -> None:
     if _ORIGINAL_WAIT is not None:
         dist.distributed_c10d.Work.wait = _ORIGINAL_WAIT
         _ORIGINAL_WAIT = None
+    for name, original in _ORIGINAL_FUTURE.items():
+        setattr(torch._C.Future, name, original)
+    _ORIGINAL_FUTURE.clear()
 
 
 # ----------------------------------------------------------------------------- grading checks

@@ -31,10 +31,12 @@ collectives (which cannot see RPC).
 Tasks (run ``labkit grade rpc``; tests in ``tests/grading/test_rpc.py``):
     rpc.remote_ps      a parameter server as a remote object: remote_forward, remote_step,
                        remote_gradients, make_optimizer (trainers hold an RRef to it)
-    rpc.batching_ps    BatchingServer.pull / .push (sum n trainers' gradients, one update, a
-                       staleness bound like chapter 01's) and train_batching (a trainer)
-    rpc.pipeline       Stage.forward and RpcPipeline.forward: two stages on two workers,
-                       micro-batches in flight at once through futures
+    rpc.batching_ps    BatchingServer.pull / .push (sum n trainers' gradients weighted by their
+                       shards' rows, one atomic update, a staleness bound like chapter 01's) and
+                       train_batching (a trainer)
+    rpc.pipeline       Stage.forward and RpcPipeline.forward: stages on their workers (two or
+                       more), micro-batches in flight at once through futures, one at a time
+                       in each stage
 """
 
 from __future__ import annotations
@@ -267,11 +269,15 @@ def start_server(model: nn.Module, name: str = "ps") -> torch_rpc.RRef:
     return serve(ParameterServer(model), name)
 
 
-def make_optimizer(server: torch_rpc.RRef, lr: float) -> DistributedOptimizer:
-    """A ``DistributedOptimizer`` running SGD(lr) on the server's parameters, from a trainer."""
-    # BEGIN SOLUTION rpc.remote_ps: the parameters' RRefs come from the server (rpc_sync server_parameter_rrefs); DistributedOptimizer(torch.optim.SGD, rrefs, lr=lr)
+def make_optimizer(server: torch_rpc.RRef, lr: float, optimizer_class=torch.optim.SGD,
+                   **optimizer_kwargs) -> DistributedOptimizer:
+    """A ``DistributedOptimizer`` running ``optimizer_class(lr=lr, **optimizer_kwargs)`` (SGD by
+    default; momentum SGD, AdamW: its state lives with the parameters, on the server) on the
+    server's parameters, from a trainer. Each trainer that calls it gets its own optimizer
+    (and optimizer state) on the server."""
+    # BEGIN SOLUTION rpc.remote_ps: the parameters' RRefs come from the server (rpc_sync server_parameter_rrefs); DistributedOptimizer(optimizer_class, rrefs, lr=lr, **optimizer_kwargs)
     rrefs = rpc_sync(server.owner(), server_parameter_rrefs, server)
-    return DistributedOptimizer(torch.optim.SGD, rrefs, lr=lr)
+    return DistributedOptimizer(optimizer_class, rrefs, lr=lr, **optimizer_kwargs)
     # END SOLUTION
 
 
@@ -305,19 +311,24 @@ def remote_gradients(server: torch_rpc.RRef, loss_fn, x, y) -> list[torch.Tensor
     # END SOLUTION
 
 
-def train_remote(server: torch_rpc.RRef, loss_fn, batches: list[tuple], lr: float) -> list[float]:
-    """A trainer: ``remote_step`` on each ``(x, y)``; returns the losses."""
+def train_remote(server: torch_rpc.RRef, loss_fn, batches: list[tuple], lr: float,
+                 optimizer_class=torch.optim.SGD, **optimizer_kwargs) -> list[float]:
+    """A trainer: ``remote_step`` on each ``(x, y)`` with one ``make_optimizer(server, lr,
+    optimizer_class, **optimizer_kwargs)``; returns the losses."""
     if lr <= 0:
         raise ValueError(f"lr must be positive, got {lr}")
-    optimizer = make_optimizer(server, lr)
+    optimizer = make_optimizer(server, lr, optimizer_class, **optimizer_kwargs)
     return [remote_step(server, optimizer, loss_fn, x, y) for x, y in batches]
 
 
 # ----------------------------------------------------------------------------- rpc.batching_ps
 #
 # Trainers keep a local copy of the model, compute gradients locally (plain autograd) and
-# send them; the server sums the n trainers' gradients of an iteration and applies ONE update
-# (their mean, so n trainers on n shards step like one process on the whole batch), then
+# send them with their shard's row count; the server sums the n trainers' gradients of an
+# iteration, each weighted by its rows, and applies ONE update (sum of rows_k * g_k over the sum
+# of rows_k: the gradient of the mean loss over the global batch, so n trainers on shards of any
+# sizes, 7 + 6 rows or 5 + 4 + 4, step like one process on the whole batch; a plain mean of the
+# g_k would weight a 4-row shard like a 5-row one), then
 # answers with the new parameters. It answers from @async_execution functions: such a
 # function returns a Future, and the RPC's reply is sent when that future completes, so the
 # server's thread is free while a trainer waits for the others (PyTorch's tutorial
@@ -331,6 +342,9 @@ def train_remote(server: torch_rpc.RRef, loss_fn, batches: list[tuple], lr: floa
 # (stale synchronous parallel, Ho et al., NeurIPS 2013).
 # Per iteration, per trainer: one rpc_sync carrying the flat gradient (P x b bytes) and
 # bringing back the flat parameters (P x b bytes): 2 n P b through the server per update.
+# ``loss_fn`` is a mean over its rows (as the course's losses are). A frozen parameter
+# (``requires_grad=False``) gets no gradient on the server (``.grad`` None), so an optimizer
+# with weight decay or momentum leaves it where it is, as it would in one process.
 
 
 class TrainerLost(RuntimeError):
@@ -349,7 +363,7 @@ class BatchingServer:
         self.model, self.num_trainers, self.optimizer = model, num_trainers, optimizer
         self.staleness = staleness
         self.version = 0                         # updates applied so far
-        self.rounds: dict[int, list] = {}        # iteration -> [summed gradients, how many]
+        self.rounds: dict[int, list] = {}        # iteration -> [sum of rows x gradient, how many, rows]
         self.waiting: list[tuple[int, torch.futures.Future]] = []  # pulls not answered yet
         self.log = ServerLog(staleness)          # (trainer, iteration, version) per gradient
         self.lock = threading.Lock()
@@ -374,22 +388,25 @@ class BatchingServer:
         return future
         # END SOLUTION
 
-    def push(self, trainer: int, iteration: int, version: int, grads: list[torch.Tensor]) -> None:
-        """Trainer ``trainer``'s gradients of ``iteration``, computed on ``version``: log them,
-        add them to the iteration's sum; while the next iteration to apply has all
-        ``num_trainers`` gradients, apply its mean (``.grad``, ``optimizer.step()``) and count
-        the version; then complete every waiting pull now fresh enough."""
-        # BEGIN SOLUTION rpc.batching_ps: under self.lock: log (trainer, iteration, version); rounds[iteration] += grads; while rounds[self.version] is complete: p.grad = sum / n, step, version += 1; answer the waiting pulls with version >= it - staleness
+    def push(self, trainer: int, iteration: int, version: int, grads: list[torch.Tensor], rows: int = 1) -> None:
+        """Trainer ``trainer``'s gradients of ``iteration`` (the mean loss over its ``rows``
+        rows), computed on ``version``: log them, add ``rows x grads`` to the iteration's sum;
+        while the next iteration to apply has all ``num_trainers`` gradients, apply the sum over
+        the iteration's rows (``.grad``, None for a frozen parameter; ``optimizer.step()``) and
+        count the version; then complete every waiting pull now fresh enough. Atomic: the
+        whole update happens under ``self.lock``, so no pull or push sees half of it."""
+        # BEGIN SOLUTION rpc.batching_ps: under self.lock: log (trainer, iteration, version); rounds[iteration] += rows x grads, rows; while rounds[self.version] is complete: p.grad = sum / total rows (None if frozen), step, version += 1; answer the waiting pulls with version >= it - staleness
         with self.lock:
             self.log.applied.append((trainer, iteration, version))
-            entry = self.rounds.setdefault(iteration, [[torch.zeros_like(g) for g in grads], 0])
+            entry = self.rounds.setdefault(iteration, [[torch.zeros_like(g) for g in grads], 0, 0])
             for total, g in zip(entry[0], grads):
-                total += g
+                total += rows * g
             entry[1] += 1
+            entry[2] += rows
             while self.version in self.rounds and self.rounds[self.version][1] == self.num_trainers:
-                sums, _ = self.rounds.pop(self.version)
+                sums, _, total_rows = self.rounds.pop(self.version)
                 for p, total in zip(self.model.parameters(), sums):
-                    p.grad = total / self.num_trainers
+                    p.grad = total / total_rows if p.requires_grad else None
                 self.optimizer.step()
                 self.version += 1
             ready = [(it, f) for it, f in self.waiting if self.version >= it - self.staleness]
@@ -409,14 +426,14 @@ class BatchingServer:
     @staticmethod
     @torch_rpc.functions.async_execution
     def push_and_pull(server: torch_rpc.RRef, trainer: int, iteration: int, version: int,
-                      grads: list[torch.Tensor] | None) -> torch.futures.Future:
-        """By RPC from a trainer: push the gradients of ``iteration`` (None: nothing to push),
-        and get the parameters for the next iteration (``iteration`` itself when pulling only).
-        The reply leaves when the returned future completes."""
+                      grads: list[torch.Tensor] | None, rows: int = 1) -> torch.futures.Future:
+        """By RPC from a trainer: push the gradients of ``iteration`` over ``rows`` rows (None:
+        nothing to push), and get the parameters for the next iteration (``iteration`` itself
+        when pulling only). The reply leaves when the returned future completes."""
         self = server.local_value()
         if grads is None:
             return self.pull(iteration)
-        self.push(trainer, iteration, version, grads)
+        self.push(trainer, iteration, version, grads, rows)
         return self.pull(iteration + 1)
 
     def wait_until_done(self, num_steps: int, trainers: list[str], poll: float = 0.1) -> ServerLog:
@@ -441,11 +458,14 @@ class BatchingServer:
 
 
 def start_batching_server(model: nn.Module, num_trainers: int, lr: float, staleness: int = 0,
-                          name: str = "batching_ps") -> BatchingServer:
-    """On the server's worker: a ``BatchingServer`` with SGD(lr), served under ``name``."""
+                          name: str = "batching_ps", optimizer_class=torch.optim.SGD,
+                          **optimizer_kwargs) -> BatchingServer:
+    """On the server's worker: a ``BatchingServer`` with ``optimizer_class(lr=lr,
+    **optimizer_kwargs)`` (SGD by default), served under ``name``."""
     if lr <= 0:
         raise ValueError(f"lr must be positive, got {lr}")
-    server = BatchingServer(model, num_trainers, torch.optim.SGD(model.parameters(), lr=lr), staleness)
+    optimizer = optimizer_class(model.parameters(), lr=lr, **optimizer_kwargs)
+    server = BatchingServer(model, num_trainers, optimizer, staleness)
     serve(server, name)
     return server
 
@@ -455,10 +475,10 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
     """A trainer of a batching server, on its local copy ``model``: pull the parameters of
     iteration 0; for each iteration i with ``(x, y) = shards[i]``: load them, compute the
     gradient of ``loss_fn(model(x), y)`` locally, call ``before_push(trainer, i)`` if given
-    (a test's straggler), then push the gradients and pull iteration i + 1's parameters in
-    one ``push_and_pull``. Leaves the last parameters received in ``model``; returns the
+    (a test's straggler), then push the gradients with the shard's row count ``len(x)`` (shards
+    may differ in size) and pull iteration i + 1's parameters in one ``push_and_pull``. Leaves the last parameters received in ``model``; returns the
     version each iteration was computed on."""
-    # BEGIN SOLUTION rpc.batching_ps: params, version = rpc_sync(owner, BatchingServer.push_and_pull, server, trainer, 0, -1, None); per shard: copy params into model, zero grads, backward, before_push, then push_and_pull(server, trainer, i, version, grads)
+    # BEGIN SOLUTION rpc.batching_ps: params, version = rpc_sync(owner, BatchingServer.push_and_pull, server, trainer, 0, -1, None); per shard: copy params into model, zero grads, backward, before_push, then push_and_pull(server, trainer, i, version, grads, len(x))
     owner = server.owner()
     params, version = rpc_sync(owner, BatchingServer.push_and_pull, server, trainer, 0, -1, None)
     versions = []
@@ -472,7 +492,8 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
         if before_push is not None:
             before_push(trainer, iteration)
         versions.append(version)
-        params, version = rpc_sync(owner, BatchingServer.push_and_pull, server, trainer, iteration, version, grads)
+        params, version = rpc_sync(owner, BatchingServer.push_and_pull, server, trainer, iteration, version, grads,
+                                   len(x))
     with torch.no_grad():
         for p, value in zip(model.parameters(), params):
             p.copy_(value)
@@ -483,10 +504,11 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
 # ----------------------------------------------------------------------------- rpc.pipeline
 #
 # A model cut in stages, each stage an object on its own worker (an RRef held by the driver).
-# The driver splits the batch into M micro-batches and, for each one, asks stage 1 to run it
-# with ``remote`` (the output stays on stage 1's worker, as an RRef) and stage 2 to run that
-# with ``rpc_async`` (stage 2 fetches the activation straight from stage 1, and the driver
-# gets a future of the output). It sends every micro-batch before waiting for any output, so
+# The driver splits the batch into M micro-batches (``tensor_split``: 13 rows in 4 are 4, 3, 3,
+# 3) and, for each one, asks stage 1 to run it with ``remote`` (the output stays on stage 1's
+# worker, as an RRef), every later stage but the last to run the one before's output the same
+# way, and the last stage to run it with ``rpc_async`` (each stage fetches its input straight
+# from the stage before, and the driver gets a future of the output). It sends every micro-batch before waiting for any output, so
 # stage 1 works on micro-batch i + 1 while stage 2 works on micro-batch i; a lock per stage
 # keeps one micro-batch at a time in each stage. Under a dist_autograd context the backward
 # pass follows the same edges in reverse. Per micro-batch: x to stage 1 (B/M x H x b), the
@@ -552,12 +574,14 @@ class RpcPipeline:
         self.stages, self.micro_batches = list(stages), micro_batches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The pipeline's output for the batch ``x``, micro-batch by micro-batch, all in flight."""
+        """The pipeline's output for the batch ``x``, micro-batch by micro-batch, all in flight:
+        ``x.tensor_split(micro_batches)``, M micro-batches whose sizes differ by at most one row
+        (13 rows in 4: 4, 3, 3, 3), through every stage in order (2 or more)."""
         if x.shape[0] < self.micro_batches:
             raise ValueError(f"a batch of {x.shape[0]} cannot make {self.micro_batches} micro-batches")
-        # BEGIN SOLUTION rpc.pipeline: per chunk of x.chunk(M): ref = remote(owner, stage_forward, stage, ref) through every stage but the last, rpc_async on the last; torch.cat(torch.futures.wait_all(futures)) after all are sent
+        # BEGIN SOLUTION rpc.pipeline: per micro-batch of x.tensor_split(M): ref = remote(owner, stage_forward, stage, ref) through every stage but the last, rpc_async on the last; torch.cat(torch.futures.wait_all(futures)) after all are sent
         futures = []
-        for micro_batch in x.chunk(self.micro_batches):
+        for micro_batch in x.tensor_split(self.micro_batches):
             value = micro_batch
             for stage in self.stages[:-1]:
                 value = remote(stage.owner(), stage_forward, stage, value)
