@@ -293,6 +293,25 @@ def stage1_on_rank(partitions=None, models=tuple(MODELS)) -> None:
     for run in runs:
         if run is not None:  # None: this rank stands by while a subgroup trains
             stage1_over(*run)
+    if not partitions:
+        one_parameter_many_ranks()
+
+
+def one_parameter_many_ranks() -> None:
+    """One parameter over N ranks: every rank but its owner owns nothing (no local optimizer,
+    nothing to step), and all still receive the updated parameter."""
+    from labkit.zero import ShardedOptimizer
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = torch.nn.Linear(4, 1, bias=False).double()
+    torch.nn.init.constant_(model.weight, 1.0)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
+    for step in range(2):
+        model.weight.grad = torch.full_like(model.weight, 1.0)  # as if averaged: the same on every rank
+        opt.step()
+        opt.zero_grad()
+        assert_close(model.weight.detach(), torch.full_like(model.weight, 1.0 - 0.5 * (step + 1)),
+                     f"zero.stage1: rank {rank} of {n}, a model of one parameter (ranks other than its owner "
+                     f"own nothing), after step {step}: the weight vs SGD in one process")
 
 
 def stage1_over(group, group_ranks, models) -> None:
