@@ -280,6 +280,13 @@ def average_in_groups(rank: int, n: int, weighted: bool) -> None:
     ``weighted``: unequal shards (10 samples split in the group) and num_samples."""
     for partition in [[list(range(n // 2)), list(range(n // 2, n))]] + ([STRIDED[n]] if n in STRIDED else []):
         average_in_partition(rank, n, partition, weighted)
+    from labkit.dp import average_gradients
+    frozen = torch.nn.Linear(3, 2).requires_grad_(False)  # nothing to average: no trainable parameter
+    with CommTracer() as tracer:
+        average_gradients(frozen, num_samples=5 if weighted else None)
+    assert not tracer.events and all(p.grad is None for p in frozen.parameters()), (
+        f"dp.grad_average: rank {rank} of {n}, a model without trainable parameters: communicated "
+        f"{tracer.summary()} or set gradients; there is nothing to average")
 
 
 def average_in_partition(rank: int, n: int, partition, weighted: bool) -> None:
@@ -412,6 +419,17 @@ def test_scatter_and_gather():
     assert isinstance(merged, tuple) and merged[2] is None, f"{what}: gather must keep tuples and Nones"
     assert_close(merged[0], x * 2, f"{what}: gather of tensors")
     assert_close(merged[1], torch.stack([c[0].sum() for c in chunks]), f"{what}: gather of 0-dim tensors (stacked)")
+    merged = gather([[c[0], [c[0] + 1]] for c in chunks], CPU)  # lists, nested
+    assert isinstance(merged, list) and isinstance(merged[1], list), f"{what}: gather must keep lists (nested too)"
+    assert_close(merged[1][0], x + 1, f"{what}: gather of a list nested in a list")
+    # What cannot be split or merged is refused, naming the problem.
+    for bad, error, problem in [(lambda: scatter(("tag", 3), [CPU] * 2), ValueError, "scatter with no tensor argument"),
+                                (lambda: scatter((x, x[:4]), [CPU] * 2), ValueError,
+                                 "scatter of tensors with different batch sizes (10 and 4)"),
+                                (lambda: gather([{"y": x}, {"y": x}], CPU), TypeError, "gather of dicts")]:
+        with pytest.raises(error):
+            bad()
+            raise AssertionError(f"{what}: {problem} was accepted; raise {error.__name__}")
 
 
 class Rendezvous(torch.nn.Module):
