@@ -65,10 +65,13 @@ def partition_parameters(params: list[torch.Tensor], world_size: int) -> list[li
 # ----------------------------------------------------------------------------- flat buffers
 
 
-def flatten(tensors: list[torch.Tensor], numel: int) -> torch.Tensor:
-    """The tensors one after another in a 1-D buffer of ``numel`` elements (zero-padded)."""
-    flat = torch.zeros(numel, dtype=tensors[0].dtype if tensors else torch.float32,
-                       device=tensors[0].device if tensors else None)
+def flatten(tensors: list[torch.Tensor], numel: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensors one after another in a 1-D buffer of ``numel`` elements (zero-padded).
+    ``like``: whose dtype and device the buffer takes when ``tensors`` is empty (a rank that
+    owns nothing still sends a buffer of the others' dtype: float32 would not match)."""
+    model = tensors[0] if tensors else like
+    flat = torch.zeros(numel, dtype=model.dtype if model is not None else torch.float32,
+                       device=model.device if model is not None else None)
     if tensors:
         flat[: sum(t.numel() for t in tensors)] = torch.cat([t.detach().reshape(-1) for t in tensors])
     return flat
@@ -245,7 +248,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         width = max(self.shard_numels)
         if self.world_size > 1 and width > 0:
             # all_gather_single needs equal pieces: pad every shard to the largest.
-            mine = flatten(self.owned, width)
+            mine = flatten(self.owned, width, like=self.params[0])
             everything = torch.empty(self.world_size * width, dtype=mine.dtype, device=mine.device)
             dist.all_gather_single(everything, mine, group=self.group)
             for rank, row in enumerate(everything.view(self.world_size, width)):

@@ -83,6 +83,21 @@ def check_traffic(tracer: CommTracer, what: str, members: list[int], rank: int, 
                f"{what} (a ring: {passes} x (N-1) sends of one chunk to the next rank, receives from the previous)")
 
 
+def check_refused(task_id, fn, output, input, group, members) -> None:
+    """``fn(output, input, group=group)`` with a buffer of N + 1 chunks (N the group's size,
+    the world's size when that differs) raises ValueError, before any communication."""
+    what = (f"{task_id}: rank {dist.get_rank()} in group {members}, output of {output.numel()} and input of "
+            f"{input.numel()} elements (the group has {len(members)} ranks)")
+    with CommTracer() as tracer:
+        try:
+            fn(output, input, group=group)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{what}: accepted; raise ValueError when the sizes do not match the group's size")
+    assert not tracer.events, f"{what}: communicated before refusing: {tracer.summary()}"
+
+
 def reduce_scatter_on_rank() -> None:
     from labkit.collectives import ring_reduce_scatter
     rank = dist.get_rank()
@@ -101,6 +116,8 @@ def reduce_scatter_on_rank() -> None:
             dist.reduce_scatter_single(builtin, inputs[rank].clone(), group=group)
             assert_close(output, builtin, what + " vs dist.reduce_scatter_single")
             check_traffic(tracer, what, members, rank, builtin.nbytes)
+        check_refused("collectives.reduce_scatter", ring_reduce_scatter, torch.zeros(3), torch.zeros(3 * (n + 1)),
+                      group, members)
 
 
 def all_gather_on_rank() -> None:
@@ -123,6 +140,8 @@ def all_gather_on_rank() -> None:
             dist.all_gather_single(builtin, inputs[rank], group=group)
             assert_close(output, builtin, what + " vs dist.all_gather_single")
             check_traffic(tracer, what, members, rank, inputs[rank].nbytes)
+        check_refused("collectives.all_gather", ring_all_gather, torch.zeros(3 * (n + 1)), torch.zeros(3),
+                      group, members)
 
 
 def all_reduce_on_rank(group_ranks=None) -> None:

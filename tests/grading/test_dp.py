@@ -16,6 +16,12 @@ embedding. Where PyTorch ships the technique it is compared too (DistributedSamp
   per trainable parameter, plus the weight), then one all-reduce per gradient that some rank
   has, numel x element size of that parameter in its own dtype, all on the averaging group,
   after backward; nothing else.
+  Subgroups (average_gradients(group=) is the chapter's one group-taking function; the
+  others take replica counts, ranks or devices): inside the equal-shard and the weighted
+  launches at 2-4 ranks, the world split in halves, then (at 4) the 2x2 grid's strided axis
+  {0,2}|{1,3} and (at 3) {0,2} beside {1} alone, each group averaging over itself only,
+  plain and weighted by num_samples (unequal shards of 10 samples).
+  No task of this chapter claims overlap.
 * dp.data_parallel: one process, K = 1-4 replicas on threads; outputs, gradients and
   parameters match the plain module; replicas are connected copies, run concurrently,
   keep grad mode and re-raise errors.
@@ -260,25 +266,44 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
         for k, p in model.named_parameters():
             if k in frozen:
                 assert torch.equal(p.detach(), frozen[k]), f"dp.grad_average: rank {rank}, {name}: frozen {k} changed"
-    if not weighted and n > 1:
-        average_in_two_groups(rank, n)
+    if n > 1:
+        average_in_groups(rank, n, weighted)
 
 
-def average_in_two_groups(rank: int, n: int) -> None:
-    """The world split in two halves, each averaging over its own group only (group=)."""
+# Partitions of the world whose groups average separately (group=), in the world's launch:
+# halves; at 4 also the strided axis of a 2x2 grid, at 3 the pair {0, 2} beside {1} alone.
+STRIDED = {4: [[0, 2], [1, 3]], 3: [[0, 2], [1]]}
+
+
+def average_in_groups(rank: int, n: int, weighted: bool) -> None:
+    """Each partition of the world in turn, every group averaging over itself only (group=);
+    ``weighted``: unequal shards (10 samples split in the group) and num_samples."""
+    for partition in [[list(range(n // 2)), list(range(n // 2, n))]] + ([STRIDED[n]] if n in STRIDED else []):
+        average_in_partition(rank, n, partition, weighted)
     from labkit.dp import average_gradients
-    halves = [list(range(n // 2)), list(range(n // 2, n))]
-    groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
-    members = next(ranks for ranks in halves if rank in ranks)
-    group = groups[halves.index(members)]
-    x, y = toy_batches(12, steps=1, seed=4 + halves.index(members))[0]  # each half its own batch
-    model, ref = make_toy(), make_toy()
-    toy_loss(model, x.tensor_split(len(members))[members.index(rank)],
-             y.tensor_split(len(members))[members.index(rank)]).backward()
-    toy_loss(ref, x, y).backward()  # the group's global batch in one process
-    what = f"dp.grad_average: rank {rank} of {n}, averaging over its group {members} only (group=)"
+    frozen = torch.nn.Linear(3, 2).requires_grad_(False)  # nothing to average: no trainable parameter
     with CommTracer() as tracer:
-        average_gradients(model, group=group)
+        average_gradients(frozen, num_samples=5 if weighted else None)
+    assert not tracer.events and all(p.grad is None for p in frozen.parameters()), (
+        f"dp.grad_average: rank {rank} of {n}, a model without trainable parameters: communicated "
+        f"{tracer.summary()} or set gradients; there is nothing to average")
+
+
+def average_in_partition(rank: int, n: int, partition, weighted: bool) -> None:
+    from labkit.dp import average_gradients
+    groups = [dist.new_group(ranks) for ranks in partition]  # every rank creates every group
+    members = next(ranks for ranks in partition if rank in ranks)
+    group = groups[partition.index(members)]
+    batch = 10 if weighted else 12
+    x, y = toy_batches(batch, steps=1, seed=4 + partition.index(members))[0]  # each group its own batch
+    model, ref = make_toy(), make_toy()
+    xs, ys = x.tensor_split(len(members))[members.index(rank)], y.tensor_split(len(members))[members.index(rank)]
+    toy_loss(model, xs, ys).backward()
+    toy_loss(ref, x, y).backward()  # the group's global batch in one process
+    what = (f"dp.grad_average: rank {rank} of {n}, averaging over its group {members} of {partition} only "
+            f"(group=)" + (f", weighted by num_samples={len(xs)}" if weighted else ""))
+    with CommTracer() as tracer:
+        average_gradients(model, group=group, num_samples=len(xs) if weighted else None)
     check_average_ops(tracer, model, some_rank_has_grad(ref), members, what)
     compare_grads(model, ref, what + ", vs the group's global batch")
 
@@ -394,6 +419,17 @@ def test_scatter_and_gather():
     assert isinstance(merged, tuple) and merged[2] is None, f"{what}: gather must keep tuples and Nones"
     assert_close(merged[0], x * 2, f"{what}: gather of tensors")
     assert_close(merged[1], torch.stack([c[0].sum() for c in chunks]), f"{what}: gather of 0-dim tensors (stacked)")
+    merged = gather([[c[0], [c[0] + 1]] for c in chunks], CPU)  # lists, nested
+    assert isinstance(merged, list) and isinstance(merged[1], list), f"{what}: gather must keep lists (nested too)"
+    assert_close(merged[1][0], x + 1, f"{what}: gather of a list nested in a list")
+    # What cannot be split or merged is refused, naming the problem.
+    for bad, error, problem in [(lambda: scatter(("tag", 3), [CPU] * 2), ValueError, "scatter with no tensor argument"),
+                                (lambda: scatter((x, x[:4]), [CPU] * 2), ValueError,
+                                 "scatter of tensors with different batch sizes (10 and 4)"),
+                                (lambda: gather([{"y": x}, {"y": x}], CPU), TypeError, "gather of dicts")]:
+        with pytest.raises(error):
+            bad()
+            raise AssertionError(f"{what}: {problem} was accepted; raise {error.__name__}")
 
 
 class Rendezvous(torch.nn.Module):

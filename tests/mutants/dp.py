@@ -29,6 +29,10 @@ MUTANTS = [
                    "    return list(sampler)\n"
                    "    # BEGIN SOLUTION dp.sampler: randperm"),
     # dp.grad_average
+    Mutant("dp.grad_average", "weighted_counts_over_the_world",
+           "the weighted path agrees on flags and sample counts over every rank, not over group=",
+           find="    dist.all_reduce(meta, group=group)",
+           replace="    dist.all_reduce(meta, group=None if num_samples is not None else group)"),
     Mutant("dp.grad_average", "no_division", "sums the gradients and forgets to divide by the total weight",
            find="        p.grad.div_(total)\n", replace=""),
     Mutant("dp.grad_average", "global_world_size", "divides by the world size, not by the group's (or the samples')",

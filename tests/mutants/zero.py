@@ -44,6 +44,18 @@ MUTANTS = [
                    "        self.optimizer = ZeroRedundancyOptimizer([p for g in local_groups for p in g['params']],\n"
                    "                                                 optimizer_cls, **optimizer_kwargs)"),
     # zero.stage2
+    Mutant("zero.stage2", "world_group",
+           "reduce-scatters over every rank, ignoring the optimizer's group: right on the world only",
+           find="        dist.reduce_scatter(shard, list(self.flat_grads.split(self.shard_numels)), group=self.group)",
+           replace="        dist.reduce_scatter(shard, list(self.flat_grads.split(self.shard_numels)))"),
+    Mutant("zero.stage2", "global_rank_shard",
+           "sizes its shard by the global rank, not the group rank: right on the world only",
+           find="        shard = torch.empty(self.shard_numels[self.rank], dtype=self.flat_grads.dtype,",
+           replace="        shard = torch.empty(self.shard_numels[dist.get_rank() % self.world_size], dtype=self.flat_grads.dtype,"),
+    Mutant("zero.stage2", "divides_by_world_size",
+           "averages over every rank of the world, not over the group's ranks",
+           find="        shard.div_(self.world_size)",
+           replace="        shard.div_(dist.get_world_size())"),
     Mutant("zero.stage2", "all_reduce_then_slice",
            "all-reduces the whole flat gradient and keeps its own slice: DDP's traffic, not a reduce-scatter",
            find="        dist.reduce_scatter(shard, list(self.flat_grads.split(self.shard_numels)), group=self.group)",
