@@ -9,7 +9,8 @@ Two levers cut its cost:
   ``bucket.gradients()``), must leave the average of every rank's bucket in it, and returns a
   future whose value is that buffer. It returns while its collectives are still in flight (not
   a completed future: DDP's backward goes on with the next buckets meanwhile); a step that
-  needs a collective's result is chained on its future (``.then``, ``after``). ``ddp.register_comm_hook(state, hook)`` installs one on
+  needs a collective's result is chained on its future (``.then``, ``after``).
+  ``ddp.register_comm_hook(state, hook)`` installs one on
   ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` (below) lets you call a hook
   by hand on a list of tensors.
 
@@ -60,7 +61,7 @@ Two levers cut its cost:
 
 Tasks (run ``labkit grade compress``; tests in ``tests/grading/test_compress.py``):
     compress.fp16          compress_hook (fp16_compress_hook and bf16_compress_hook call it)
-    compress.powersgd      should_compress, orthogonalize, powersgd_hook
+    compress.powersgd      should_compress, orthogonalize, powersgd_compress (powersgd_hook runs it)
     compress.topk          topk_hook
     compress.hierarchical  hierarchical_all_reduce
     compress.ag_matmul     ring_all_gather_matmul, AllGatherMatmul

@@ -409,3 +409,38 @@ def test_grading_checks_see_groups_peers_and_the_order_of_post_compute_wait():
         assert "send #3 of 4" in out["overlap_error"] and "no overlap" in out["overlap_error"]
         steps = out["steps"]
         assert steps.index(("compute", "mm")) < steps.index(("wait", "send"))
+
+
+def _callback_collectives() -> dict:
+    """A collective issued from a future's callback (on gloo's thread, as a communication hook's
+    second step is) is traced; after the block, callbacks run untraced."""
+    import threading
+    rank = dist.get_rank()
+    seen = {}
+
+    def second(done):
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        dist.all_reduce(torch.ones(3), group=None)
+        return done.value()
+
+    with CommTracer() as tracer:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 1:  # rank 0's all-reduce completes on gloo's thread, after rank 1 joins
+            store.wait(["registered"])
+        future = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(second)
+        if rank == 0:
+            store.set("registered", "1")
+        future.wait()
+    inside = [(e.kind, e.bytes) for e in tracer.events]
+    with CommTracer() as later:
+        pass
+    dist.all_reduce(torch.ones(5), async_op=True).get_future().then(lambda f: dist.all_reduce(torch.ones(7))).wait()
+    return {"inside": inside, "after": [(e.kind, e.bytes) for e in later.events], "thread": seen["thread"]}
+
+
+def test_collectives_issued_from_future_callbacks_are_traced():
+    results = labkit.launch(_callback_collectives, 2)
+    for out in results:
+        assert out["inside"] == [("all_reduce", 8), ("all_reduce", 12)], out
+        assert out["after"] == [], out
+    assert results[0]["thread"], "rank 0's callback ran on another thread (gloo's)"

@@ -143,6 +143,9 @@ MUTANTS = [
     Mutant("compress.hierarchical", "blocks", "always waits for the three steps and hands back a completed future: the hook stalls DDP",
            find="    if async_op:\n        return future\n    future.wait()\n",
            replace="    future.wait()\n    if async_op:\n        return completed(tensor)\n"),
+    Mutant("compress.hierarchical", "sync_returns_early", "without async_op returns before its collectives are done: the sum may not be there yet",
+           find="    if async_op:\n        return future\n    future.wait()\n",
+           replace="    if async_op:\n        return future\n"),
     Mutant("compress.hierarchical", "not_padded", "reduce-scatters the unpadded tensor: sizes that L does not divide lose their tail",
            find="    shard = -(-flat.numel() // groups.ranks_per_node)\n",
            replace="    shard = max(1, flat.numel() // groups.ranks_per_node)\n"),
@@ -225,3 +228,24 @@ MUTANTS += [
                    "        grads = [grad_y if c == me else torch.zeros_like(grad_y) for c in range(n)]\n"
                    "        outputs = [g @ weight for g in grads]\n"),
 ]
+
+# Automatic mutants (``labkit mutate compress``) that cannot change a result. Ids from the
+# generator of labkit/course/automut.py (branch wt-mut) on this module; each checked by hand.
+EQUIVALENT = {
+    "compress.fp16/int/1eafd0f5": "done.value()[-1] for [0]: an all-reduce future's value is a list of one tensor",
+    "compress.powersgd/int/5ac51656": "range(matrix.shape[0]) for shape[1] in orthogonalize: n >= r, and the extra "
+                                      "iterations slice empty columns (matrix[:, i:i + 1] with i >= r): no-ops",
+    "compress.powersgd/bool/310c0251": "keepdim=False in Gram-Schmidt's projection: the [k] sum broadcasts against the "
+                                       "[n, 1] column exactly as the [1, k] one does",
+    "compress.powersgd/if_true/b0e85266": "the first use_error_feedback guard forced True: the error is stored only under "
+                                          "the second guard, so with error feedback off error_dict stays empty and "
+                                          "only a clone of the buffer is made (never read)",
+    "compress.powersgd/swap/0110f2a2": "P's view as [r, n] instead of [n, r]: torch.matmul(matrix, q, out=p) resizes "
+                                       "the out view in place to [n, r] on the same storage (same numel), and every "
+                                       "later use goes through that same tensor object",
+    "compress.topk/swap/d21dc1fc": "topk_count(ratio, numel) for topk_count(numel, ratio): it is max(1, int(ratio x numel)), "
+                                   "symmetric in its two arguments",
+    "compress.topk/int/f29abaa6": "index_add_ along dim -1 of the 1-D buffer is dim 0",
+    "compress.ag_matmul/drop_call/4edf6698": "x_local without .contiguous(): start_exchange sends tensor.contiguous() "
+                                             "itself, and F.linear and torch.cat take any strides",
+}
