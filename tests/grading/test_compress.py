@@ -304,7 +304,7 @@ PSGD_STEPS = 6
 
 def powersgd_vs_torch_by_hand() -> None:
     from labkit.compress import FlatBucket, PowerSGDState, powersgd_elements, powersgd_hook
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+    from labkit.oracles import builtin_powersgd
     rank, n = dist.get_rank(), dist.get_world_size()
     groups = [(list(range(n)), None)] + subgroups()
     for r, feedback, warm, epsilon, rate, start, case in PSGD_CONFIGS:
@@ -315,7 +315,7 @@ def powersgd_vs_torch_by_hand() -> None:
             shapes[0].insert(2, ZERO_SHAPE)
         settings = dict(matrix_approximation_rank=r, start_powerSGD_iter=start, min_compression_rate=rate,
                         use_error_feedback=feedback, warm_start=warm, orthogonalization_epsilon=epsilon, random_seed=0)
-        mine, theirs = PowerSGDState(group, **settings), torch_powersgd.PowerSGDState(group, **settings)
+        mine, (theirs, torch_hook) = PowerSGDState(group, **settings), builtin_powersgd(group, **settings)
         config = (f"r={r}, use_error_feedback={feedback}, warm_start={warm}, orthogonalization_epsilon={epsilon}, "
                   f"min_compression_rate={rate}, start_powerSGD_iter={start}, group {members}")
         applied, true = 0, 0
@@ -333,7 +333,7 @@ def powersgd_vs_torch_by_hand() -> None:
                 what = f"compress.powersgd: rank {rank}, {config}, step {step + 1}, bucket {b}"
                 with CommTracer() as tracer:
                     got = powersgd_hook(mine, bucket).wait()
-                want = torch_powersgd.powerSGD_hook(theirs, reference).wait()
+                want = torch_hook(theirs, reference).wait()
                 if step < start:
                     ops = [Op("all_reduce", bucket.buffer().numel() * 8, members)]
                 else:
