@@ -116,7 +116,8 @@ def cmd_doctor(args, root: Path | None) -> int:
 
 def cmd_bench(args, root: Path | None) -> int:
     from labkit.course import bench
-    from labkit.course.bench.runner import FAILED, SIZES
+    from labkit.course.bench.runner import FAILED, SIZES, check_names
+    check_names(args.rows)   # a typo: exit 2 before anything prints or runs
     if args.list:
         width = max(map(len, bench.ROWS)) + 2
         for name, fn in bench.ROWS.items():
