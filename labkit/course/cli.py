@@ -97,7 +97,8 @@ def cmd_workspace(args, root: Path) -> int:
     tasks = sorted({r.task for r in regions})
     print(f"learner workspace written to {args.dest}: {len(regions)} solution regions "
           f"stubbed across {len(tasks)} tasks")
-    print(f"next: cd {args.dest} && pip install -e . && labkit tasks")
+    print(f"next, in an environment of its own: cd {args.dest} && python3 -m venv .venv && "
+          ". .venv/bin/activate && pip install -e . && labkit tasks")
     return 0
 
 
