@@ -63,7 +63,7 @@ def test_every_lab_script_has_its_world_sizes_written_down():
 
 
 @pytest.mark.parametrize("args, env, expected", [
-    (["--world-size", "0"], {}, "--world-size 0 is not one of them"),
+    (["--world-size", "0"], {}, "--world-size 0: a run needs at least 1 rank"),
     (["--world-size", "3"], {}, "--world-size 3 is not one of them"),
     ([], dict(WORLD_SIZE="3", RANK="0"), "WORLD_SIZE 3 is not one of them"),   # as torchrun's rank 0 sees it
 ], ids=["zero", "three", "torchrun"])
@@ -73,7 +73,7 @@ def test_a_size_the_lab_cannot_take_is_one_sentence_and_exit_2_before_any_rank(a
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and expected in lines[0] and "runs on" in lines[0], proc.stderr
+    assert len(lines) == 1 and expected in lines[0] and "runs on" in lines[0] and "ranks" in lines[0], proc.stderr
 
 
 def test_help_lists_the_sizes():

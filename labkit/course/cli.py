@@ -123,7 +123,8 @@ def cmd_workspace(args, root: Path) -> int:
     tasks = sorted({r.task for r in regions})
     print(f"learner workspace written to {args.dest}: {len(regions)} solution regions "
           f"stubbed across {len(tasks)} tasks")
-    print(f"next: cd {args.dest} && pip install -e . && labkit tasks")
+    print(f"next, in an environment of its own: cd {args.dest} && python3 -m venv .venv && "
+          ". .venv/bin/activate && pip install -e . && labkit tasks")
     return 0
 
 
@@ -142,7 +143,8 @@ def cmd_doctor(args, root: Path | None) -> int:
 
 def cmd_bench(args, root: Path | None) -> int:
     from labkit.course import bench
-    from labkit.course.bench.runner import FAILED, SIZES
+    from labkit.course.bench.runner import FAILED, SIZES, check_names
+    check_names(args.rows)   # a typo: exit 2 before anything prints or runs
     if args.list:
         width = max(map(len, bench.ROWS)) + 2
         for name, fn in bench.ROWS.items():

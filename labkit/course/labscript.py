@@ -108,7 +108,9 @@ def world_size_error(lab: str | None, n: int, source: str = "--world-size") -> s
     if n >= 1 and (sizes is None or sizes.accepts(n)):
         return None
     what = f"lab {lab}" if lab else "a lab"
-    takes = sizes.describe() if sizes else "at least 1"
+    takes = sizes.describe() if sizes else "any number of ranks"
+    if n < 1:
+        return f"{source} {n}: a run needs at least 1 rank; {what} runs on {takes}."
     return f"{what} runs on {takes}; {source} {n} is not one of them."
 
 

@@ -22,7 +22,7 @@ TASK_ID = r"[a-z0-9_]+\.[a-z0-9_]+"   # chapter.task, such as ddp.bucketed
 BEGIN = re.compile(rf"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>{TASK_ID}):?\s*(?P<hint>.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
-COPIED = ["README.md", "ARCHITECTURE.md", "pyproject.toml", "environment.yml", ".gitignore",
+COPIED = ["README.md", "ARCHITECTURE.md", "pyproject.toml", "environment.yml", "environment-cpu.yml", ".gitignore",
           "labkit", "chapters", "labs", "tests"]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
 # What a learner never gets: hidden graded tests (the autograder bundle adds them back), and

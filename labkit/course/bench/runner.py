@@ -110,11 +110,8 @@ SKIPPED = "skipped"   # the word a skipped row's line carries (``labkit bench`` 
 FAILED = "FAILED"
 
 
-def run(names: list[str] | None = None, **options) -> list[BenchRow | str]:
-    """Run the named rows (all by default). Every name is checked first. A row that cannot
-    take ``world_size`` ranks is skipped with a line saying why, a row whose exercise is a
-    stub says so, a row that fails says how; the others run either way."""
-    names = names or list(ROWS)
+def check_names(names: list[str]) -> None:
+    """ValueError, with a did-you-mean, unless every name is a row."""
     unknown = [name for name in names if name not in ROWS]
     if unknown:
         import difflib
@@ -122,6 +119,14 @@ def run(names: list[str] | None = None, **options) -> list[BenchRow | str]:
         raise ValueError(f"no benchmark row {', '.join(map(repr, unknown))}"
                          + (f"; did you mean {' or '.join(close)}?" if close else "")
                          + " (labkit bench --list lists them)")
+
+
+def run(names: list[str] | None = None, **options) -> list[BenchRow | str]:
+    """Run the named rows (all by default). Every name is checked first. A row that cannot
+    take ``world_size`` ranks is skipped with a line saying why, a row whose exercise is a
+    stub says so, a row that fails says how; the others run either way."""
+    names = names or list(ROWS)
+    check_names(names)
     results = []
     for name in names:
         problem = size_problem(name, options.get("world_size"))
