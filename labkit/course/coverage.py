@@ -4,14 +4,18 @@
 A line of a wrong implementation that no test reaches keeps its marks, so every line and
 every branch of a region must run under its own task's graded tests (coverage.py, with
 branches). ``labkit coverage [chapter|task ...]`` runs the graded tests under coverage and
-prints the table; CI measures during its ordinary test run (see ``GATE``).
+prints the table. As a pytest plugin (``tests/conftest.py``), this module measures any run
+when ``LABKIT_COVERAGE=1`` and every CI run (``LABKIT_CI=1``), xdist workers included, and
+ends it with the gaps of the tasks whose graded tests all ran (a partial run checks only
+those); CI fails on a gap once ``GATE`` is True.
 
 How it is measured. Every process that runs exercise code records coverage.py data into
 one folder (``LABKIT_COVERAGE``), one file per process, under a context named by the task:
 the pytest process (or each xdist worker) switches its context to the task of the graded
 test it runs, and exports the task in ``LABKIT_COVERAGE_TASK`` for the duration of the test,
-so the ranks ``labkit.launch`` starts meanwhile (``labkit.runtime.worker``) record under it.
-A line or branch of task T's region counts only if it ran under T's context.
+so the ranks ``labkit.launch`` starts meanwhile record under it (``labkit.runtime.taskcov``).
+A line or branch of task T's region counts only if it ran under T's context. A rank that is
+killed (SIGKILL, or stopped after a peer failed) records nothing.
 
 Exclusions. A line that no test can reach is named with its reason, either in source,
 ``... # coverage: <reason>`` (gone in a workspace, with the region), or in
@@ -38,8 +42,8 @@ from labkit.runtime.taskcov import DIR_ENV, FILES_ENV, TASK_ENV  # noqa: F401 - 
 
 # Flip to True once every task reaches 100%: then CI (LABKIT_CI=1) fails on a gap. While
 # False, CI still measures and prints the gaps, and `labkit coverage` still exits 1 on them.
-# (LABKIT_COVERAGE=0 turns the measurement off, in CI too: it costs ~25% more CPU in the ranks
-# of graded tests.)
+# (LABKIT_COVERAGE=0 turns the measurement off, in CI too: measured, the graded tests took
+# ~35% more CPU under it, 208 -> 281 CPU-s for all of tests/grading; the other tests nothing.)
 GATE = False
 
 OWNER_ENV = "LABKIT_COVERAGE_OWNER"  # pid of the pytest process that owns the folder
