@@ -627,6 +627,9 @@ def optimizer_offload_on_rank() -> None:
         assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host), (
             f"{what}: master weights and both moments must be fp32 tensors on the host, got "
             f"{sorted({(t.device.type, str(t.dtype)) for t in host})}")
+        assert not any(t.requires_grad or t.grad_fn is not None for t in host), (
+            f"{what}: the host tensors must be plain copies, outside autograd (copied from p.detach()): "
+            "one of them requires a gradient or holds a graph")
         assert tensor_bytes(host) == 12 * psi, f"{what}: host holds {tensor_bytes(host)} B, want 12 x {psi} (fp32 master + 2 moments)"
         assert all(t.is_pinned() == torch.cuda.is_available() for t in opt.master), f"{what}: host master pinned iff CUDA"
         ref_master = [p.detach().float().clone().requires_grad_(True) for p in params]
