@@ -247,6 +247,17 @@ def checkpoint_api(rank) -> None:
             assert_close(got, want, f"{what}: {name} vs fn without checkpointing")
         assert results[1][2] is None, f"{what}: the mask (requires no gradient) got a gradient"
         assert torch.equal(results[1][1], results[0][1]), f"{what}: the global RNG stream is not where fn leaves it"
+    # the inputs are kept through save_for_backward only, so saved-tensor hooks (offloading) see them:
+    # under hooks that move what is saved, the caller's intermediate input is freed after forward
+    x = x0.clone().requires_grad_(True) * 2  # an intermediate: only the caller holds it
+    kept = StorageWeakRef(x.untyped_storage())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out1, out2 = Checkpoint.apply(fn, x, mask, 0.5, y0, 0.3)
+    del x
+    assert kept.expired(), (f"recompute.checkpoint: rank {rank}, Checkpoint.apply under saved-tensor hooks that move "
+                            "what is saved: the input is still alive after forward; keep tensors only through "
+                            "ctx.save_for_backward (not as ctx attributes), so offloading can move them")
+    (out1.sum() + out2.sum()).backward()
     out = Checkpoint.apply(lambda t: t * 2, torch.ones(3))
     assert not out.requires_grad and torch.equal(out, torch.full((3,), 2.0)), (
         f"recompute.checkpoint: rank {rank}, no argument requires a gradient: got {out}")
