@@ -603,6 +603,8 @@ def accumulate_on_rank() -> None:
                 own = [ref(torch.cat([x for x, _ in batches[r]]), torch.cat([y for _, y in batches[r]]))[1]
                        for r in members]
                 (sum(own) / len(members)).backward()
+                assert isinstance(got, torch.Tensor) and not got.requires_grad, (
+                    f"{what}: the loss returned must be detached (it would hold every micro-batch's graph)")
                 assert_close(got, own[members.index(rank)].detach(),
                              f"{what}: the loss returned vs the mean over this rank's tokens")
                 for i, (p, r) in enumerate(zip(model.parameters(), ref.parameters())):
