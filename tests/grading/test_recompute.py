@@ -247,6 +247,17 @@ def checkpoint_api(rank) -> None:
             assert_close(got, want, f"{what}: {name} vs fn without checkpointing")
         assert results[1][2] is None, f"{what}: the mask (requires no gradient) got a gradient"
         assert torch.equal(results[1][1], results[0][1]), f"{what}: the global RNG stream is not where fn leaves it"
+    # the inputs are kept through save_for_backward only, so saved-tensor hooks (offloading) see them:
+    # under hooks that move what is saved, the caller's intermediate input is freed after forward
+    x = x0.clone().requires_grad_(True) * 2  # an intermediate: only the caller holds it
+    kept = StorageWeakRef(x.untyped_storage())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out1, out2 = Checkpoint.apply(fn, x, mask, 0.5, y0, 0.3)
+    del x
+    assert kept.expired(), (f"recompute.checkpoint: rank {rank}, Checkpoint.apply under saved-tensor hooks that move "
+                            "what is saved: the input is still alive after forward; keep tensors only through "
+                            "ctx.save_for_backward (not as ctx attributes), so offloading can move them")
+    (out1.sum() + out2.sum()).backward()
     out = Checkpoint.apply(lambda t: t * 2, torch.ones(3))
     assert not out.requires_grad and torch.equal(out, torch.full((3,), 2.0)), (
         f"recompute.checkpoint: rank {rank}, no argument requires a gradient: got {out}")
@@ -592,6 +603,8 @@ def accumulate_on_rank() -> None:
                 own = [ref(torch.cat([x for x, _ in batches[r]]), torch.cat([y for _, y in batches[r]]))[1]
                        for r in members]
                 (sum(own) / len(members)).backward()
+                assert isinstance(got, torch.Tensor) and not got.requires_grad, (
+                    f"{what}: the loss returned must be detached (it would hold every micro-batch's graph)")
                 assert_close(got, own[members.index(rank)].detach(),
                              f"{what}: the loss returned vs the mean over this rank's tokens")
                 for i, (p, r) in enumerate(zip(model.parameters(), ref.parameters())):
@@ -627,6 +640,9 @@ def optimizer_offload_on_rank() -> None:
         assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host), (
             f"{what}: master weights and both moments must be fp32 tensors on the host, got "
             f"{sorted({(t.device.type, str(t.dtype)) for t in host})}")
+        assert not any(t.requires_grad or t.grad_fn is not None for t in host), (
+            f"{what}: the host tensors must be plain copies, outside autograd (copied from p.detach()): "
+            "one of them requires a gradient or holds a graph")
         assert tensor_bytes(host) == 12 * psi, f"{what}: host holds {tensor_bytes(host)} B, want 12 x {psi} (fp32 master + 2 moments)"
         assert all(t.is_pinned() == torch.cuda.is_available() for t in opt.master), f"{what}: host master pinned iff CUDA"
         ref_master = [p.detach().float().clone().requires_grad_(True) for p in params]

@@ -35,6 +35,9 @@ MUTANTS = [
     Mutant("recompute.checkpoint", "none_when_k_too_big", "wraps nothing when k exceeds the number of blocks",
            find="    wrapped = [i for i in range(len(gpt.blocks)) if i % k == 0]\n",
            replace="    wrapped = [i for i in range(len(gpt.blocks)) if i % k == 0 and k <= len(gpt.blocks)]\n"),
+    Mutant("recompute.checkpoint", "inputs_on_ctx", "keeps the tensor args as ctx attributes too: saved-tensor hooks (offloading) cannot move them",
+           find="        ctx.others = [(isinstance(a, torch.Tensor), None if isinstance(a, torch.Tensor) else a) for a in args]\n",
+           replace="        ctx.others = [(isinstance(a, torch.Tensor), a) for a in args]\n"),
     Mutant("recompute.checkpoint", "recompute_twice", "re-runs the block outside the restored RNG (a second forward draws masks)",
            find="        outputs = outputs if isinstance(outputs, tuple) else (outputs,)\n",
            replace="        with torch.enable_grad():\n            outputs = ctx.fn(*args)\n"
@@ -150,3 +153,12 @@ MUTANTS = [
     Mutant("recompute.optimizer_offload", "fp32_up_the_link", "sends the fp32 master up and casts on the device: 4 bytes instead of 2",
            find="            self.moved_bytes += p.nbytes\n", replace="            self.moved_bytes += w.nbytes\n"),
 ]
+
+# Automatic mutants (labkit mutate) that no test can kill, with the reason (labkit/course/automut.py).
+EQUIVALENT = {
+    "recompute.checkpoint/delete/d88e1f19": "CUDA RNG restore: runs only for CUDA inputs; graded on CPU (coverage exclusion too)",
+    "recompute.checkpoint/swap/e226dc26": "CUDA RNG restore: runs only for CUDA inputs; graded on CPU (coverage exclusion too)",
+    "recompute.checkpoint/delete/3610718a": "CUDA RNG restore: runs only for CUDA inputs; graded on CPU (coverage exclusion too)",
+    "recompute.checkpoint/swap/a0f7aed6": "CUDA RNG restore: runs only for CUDA inputs; graded on CPU (coverage exclusion too)",
+    "recompute.segments/swap/91d9a4c1": "min(i + k, L) and min(L, i + k) are the same value",
+}
