@@ -5,13 +5,12 @@
     links["inside"], links["across"]   # (alpha s, beta s/B) per message, as chapter 00 fits them
 
 ``calibrate`` times ping-pongs (a send, then the answer back; half the round trip is one
-message) between rank 0 and a rank of its own node, then a rank of the next node, over a few
-message sizes, and fits t = alpha + beta * bytes with ``labkit.comm.fit_alpha_beta``.
+message; the fastest of a few) between rank 0 and a rank of its own node, then a rank of the
+next node, over a few message sizes, and fits t = alpha + beta * bytes with ``labkit.comm.fit_alpha_beta``.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -26,9 +25,10 @@ __all__ = ["run_on_nodes", "calibrate", "ping_pong", "unavailable", "netem_avail
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21)  # 1 KiB .. 2 MiB
 
 
-def ping_pong(peer: int, sizes=SIZES, repeats: int = 7) -> dict[int, float]:
-    """On rank 0 and ``peer`` (the others return {}): the median one-way time of a message of
-    each size in bytes (half a round trip), after one warm-up round trip."""
+def ping_pong(peer: int, sizes=SIZES, repeats: int = 9) -> dict[int, float]:
+    """On rank 0 and ``peer`` (the others return {}): the fastest one-way time of a message of
+    each size in bytes (half a round trip), after one warm-up round trip. The fastest, not the
+    median: on a shared machine the noise (a rank not scheduled) only ever adds time."""
     rank = dist.get_rank()
     if rank not in (0, peer):
         return {}
@@ -47,7 +47,7 @@ def ping_pong(peer: int, sizes=SIZES, repeats: int = 7) -> dict[int, float]:
                 dist.send(buf, other)
             if i:
                 samples.append((time.perf_counter() - start) / 2)
-        times[size] = statistics.median(samples)
+        times[size] = min(samples)
     return times
 
 
@@ -59,7 +59,7 @@ def _calibrate_rank(ranks_per_node: int, sizes, repeats: int):
 
 
 def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit", latency_us: float = 0,
-              sizes=SIZES, repeats: int = 7, timeout: float = 300) -> dict:
+              sizes=SIZES, repeats: int = 9, timeout: float = 300) -> dict:
     """Per link class ("inside" a node, "across" nodes): ``(alpha, beta)`` fitted from
     ping-pongs on emulated nodes, and the raw ``times`` {class: {bytes: seconds}}."""
     if nodes < 2:

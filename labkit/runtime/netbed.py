@@ -170,7 +170,7 @@ def _run(cmd: str, ns: str | None = None) -> str:
 
 
 def _shape(dev: str, ns: str | None, bandwidth: str, latency_us: float) -> None:
-    # burst: a 64 KiB GSO packet must fit; limit: ~50 ms of queue
+    # burst: 64 KiB (a GSO packet; 16 KiB made tbf wait on late timers on a loaded machine); ~50 ms of queue
     _run(f"tc qdisc add dev {dev} root handle 1: tbf rate {bandwidth} burst 64kb latency 50ms", ns)
     if latency_us > 0:
         _run(f"tc qdisc add dev {dev} parent 1:1 handle 10: netem delay {latency_us:g}us limit 10000", ns)
