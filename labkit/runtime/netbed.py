@@ -19,7 +19,9 @@ each; the kernel frees a namespace with its last process, so when the bed dies (
 a rank raised, a timeout, or the caller was SIGKILLed: the bed and every process under it have
 PR_SET_PDEATHSIG), its namespaces, veths and addresses go with it.
 
-``fn`` is shipped by value (cloudpickle), as ``labkit.launch`` does; a rank that raises makes
+The bed imports torch and unpickles the job once, then forks the ranks (each joins its node's
+namespace before it touches the network). ``fn`` is shipped by value (cloudpickle), as
+``labkit.launch`` does; a rank that raises makes
 ``NetbedError`` naming it (the others are killed); a job past ``timeout`` raises
 ``TimeoutError``. What ranks print goes to the caller's stderr. It needs root, Linux, and
 ``ip``/``tc`` (iproute2): ``unavailable()`` says in one sentence why not, and
