@@ -158,3 +158,6 @@ def test_unavailable_says_why(monkeypatch):
     monkeypatch.setattr(netbed, "_UNAVAILABLE", [why])
     with pytest.raises(netbed.NetbedUnavailable, match="need root"):
         netbed.run_on_nodes(_job, 2, 2)
+    from labkit.course.bench.ch11_compress import hierarchical_emulated_row
+    line = hierarchical_emulated_row()
+    assert line.startswith("hierarchical_emulated: skipped: ") and "need root" in line, line
