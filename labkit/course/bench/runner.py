@@ -177,6 +177,10 @@ EXTRA_MEANINGS = {
     "alpha_gloo_us": "one-way latency of a gloo send/recv, microseconds",
     "trainer_received_B": "bytes a trainer received per iteration from the RPC server",
     "ch01_trainer_sent_B": "bytes a trainer sent per iteration to chapter 01's server",
+    "predicted_ms": "the alpha-beta model's milliseconds, from the link classes calibrated on the same bed",
+    "measured_over_predicted": "measured median / predicted (1: the model is right)",
+    "alpha_us": "fitted latency of one message per link class, microseconds (ping-pong)",
+    "beta_ns_per_B": "fitted inverse bandwidth per link class, nanoseconds per byte (ping-pong)",
 }
 
 
