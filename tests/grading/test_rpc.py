@@ -850,7 +850,7 @@ def test_remote_ps(world_size):
     run_graded("rpc.remote_ps", remote_ps_job, world_size, rpc=True, timeout=90)
 
 
-@task("rpc.batching_ps", points=4)
+@task("rpc.batching_ps", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_batching_ps(world_size):
     run_graded("rpc.batching_ps", batching_job, world_size, rpc=True, timeout=120)
