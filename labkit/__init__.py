@@ -30,13 +30,18 @@ def __getattr__(name):
 def _warn_if_another_tree() -> None:
     """A learner who forgot ``pip install -e .`` in their workspace would run the reference
     solutions from its notebooks without knowing it: say so once, at import."""
-    if "LABKIT_RANK" in _os.environ:
-        return  # a rank of a launch: its caller already checked
+    if "LABKIT_RANK" in _os.environ or "LABKIT_RANK_SERVER" in _os.environ:
+        return  # a rank of a launch, or its rank server: the caller already checked
+    import sys as _sys
+    if _os.path.basename(_sys.argv[0] if _sys.argv else "") == "labkit":
+        return  # the labkit command: it runs itself again on the tree you are in, and says so
     from labkit.trees import find_course_root, package_dir
     here, mine = find_course_root(), package_dir().parent
     if here is not None and here != mine:
-        _warnings.warn(f"labkit is imported from {mine}, but you are working in {here}: code run "
-                       f"here uses {mine}'s labkit. Run `pip install -e .` in {here} to use its own.",
+        _warnings.warn(f"labkit is imported from {mine}, but you are working in {here}: this "
+                       f"process and every rank it launches run {mine}'s labkit, not {here}'s. "
+                       f"To use {here}'s, activate its own environment (in {here}: "
+                       "python3 -m venv .venv && . .venv/bin/activate && pip install -e .).",
                        stacklevel=2)
 
 

@@ -58,8 +58,8 @@ def assert_close(actual, expected, what: str, rtol=None, atol=None) -> None:
 
 
 def not_implemented(error: BaseException) -> str | None:
-    """"not implemented yet: <task>" if ``error`` comes from an exercise stub (raised here
-    or on a rank of a launch), else None."""
+    """"not implemented yet: <task> (hint: <the stub's hint>)" if ``error`` comes from an
+    exercise stub (raised here or on a rank of a launch), else None."""
     from labkit.launch import WorkerError
     if isinstance(error, NotImplementedError):
         message = str(error)
@@ -67,7 +67,8 @@ def not_implemented(error: BaseException) -> str | None:
         message = error.message
     else:
         return None
-    return f"not implemented yet: {message.split(':')[0]}"
+    task, _, hint = message.partition(":")
+    return f"not implemented yet: {task}" + (f" (hint: {hint.strip()})" if hint.strip() else "")
 
 
 def attempt(fn, *args, **kwargs):

@@ -11,7 +11,10 @@ is active. It sits at the dispatcher: ``dist.all_reduce``, ``ProcessGroup.allred
 
 Each event also names its group (the global ranks) and, for a send or receive, its peer;
 with the compute ops and the ``wait()`` calls in between, ``tracer.timeline`` is the order of
-post, compute and wait that overlap is judged by. Graded tests compare the whole trace with
+post, compute and wait that overlap is judged by. A callback chained on a future while a
+tracer is active (``future.then(...)``, ``add_done_callback``) runs under that tracer on
+whatever thread completes the future (gloo's, for a collective's future), so the collectives a
+communication hook issues from its callbacks are traced too. Graded tests compare the whole trace with
 the technique's formula (``assert_ops``) and check overlap where a technique claims it
 (``assert_overlap``).
 
@@ -240,11 +243,33 @@ class CommTracer(TorchDispatchMode):
 
 _ACTIVE: list[CommTracer] = []
 _ORIGINAL_WAIT = None
+_ORIGINAL_FUTURE = {}  # "then" / "add_done_callback" -> torch._C.Future's own method
+
+
+def _under_tracers(callback):
+    """``callback`` made to run under the tracers active now, on whatever thread runs it (a
+    tracer that has exited by then is skipped; one already on that thread's stack is not
+    entered twice)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+    tracers = list(_ACTIVE)
+
+    def run(future):
+        stack = _get_current_dispatch_mode_stack()
+        pushed = [t for t in tracers if t in _ACTIVE and all(t is not m for m in stack)]
+        for tracer in pushed:
+            _push_mode(tracer)
+        try:
+            return callback(future)
+        finally:
+            for _ in pushed:
+                _pop_mode()
+    return run
 
 
 def _patch_work_wait() -> None:
     """Route ``Work.wait()`` through the active tracers while one is active: a wait is no
-    dispatcher op, but overlap is judged by when it happens."""
+    dispatcher op, but overlap is judged by when it happens. Callbacks chained on futures
+    meanwhile run under the active tracers (see the module docstring)."""
     global _ORIGINAL_WAIT
     if _ORIGINAL_WAIT is not None:
         return
@@ -257,6 +282,13 @@ def _patch_work_wait() -> None:
         return _ORIGINAL_WAIT(self, *args, **kwargs)
 
     work_class.wait = wait
+    for name in ("then", "add_done_callback"):
+        original = _ORIGINAL_FUTURE[name] = getattr(torch._C.Future, name)
+
+        def chained(self, callback, _original=original):
+            return _original(self, _under_tracers(callback))
+
+        setattr(torch._C.Future, name, chained)
 
 
 def _unpatch_work_wait() -> None:
@@ -264,6 +296,9 @@ def _unpatch_work_wait() -> None:
     if _ORIGINAL_WAIT is not None:
         dist.distributed_c10d.Work.wait = _ORIGINAL_WAIT
         _ORIGINAL_WAIT = None
+    for name, original in _ORIGINAL_FUTURE.items():
+        setattr(torch._C.Future, name, original)
+    _ORIGINAL_FUTURE.clear()
 
 
 # ----------------------------------------------------------------------------- grading checks
@@ -411,3 +446,32 @@ def ring_all_reduce_time(size_bytes: float, world: int, alpha: float, beta: floa
         return 0.0
     steps = 2 * (world - 1)
     return steps * alpha + steps * (size_bytes / world) * beta
+
+
+class ConfinedTracer(CommTracer):
+    """A ``CommTracer`` that fails at once when an op leaves ``members`` (global ranks): a
+    send or receive whose peer is outside, or a collective over a group with a rank outside.
+
+    Graded tests of a function that takes a group run it under this on a subgroup: a wrong
+    implementation (the group ignored, the group's rank taken for a global rank) then fails
+    with the op named, at the moment it is posted, instead of hanging on a rank that never
+    answers."""
+
+    def __init__(self, members, what: str):
+        super().__init__()
+        self.members = tuple(members)
+        self.what = what
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.events)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for event in self.events[before:]:
+            outside = ({event.peer} if event.peer is not None else set(event.group)) - set(self.members)
+            if outside:
+                where = (f"{'to' if event.kind == 'send' else 'from'} rank {event.peer}" if event.peer is not None
+                         else f"over ranks {list(event.group)}")
+                raise AssertionError(
+                    f"{self.what}: a {event.kind} {where} leaves the group {list(self.members)} (global "
+                    f"ranks): use the group's ranks and size (dist.get_rank(group), dist.get_world_size(group)) "
+                    f"and translate a group rank to a global one with dist.get_global_rank(group, r)")
+        return out

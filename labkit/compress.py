@@ -7,13 +7,17 @@ Two levers cut its cost:
   *communication hook*, ``hook(state, bucket) -> torch.futures.Future[Tensor]``: the hook gets
   the bucket's flat gradient (``bucket.buffer()``, the per-parameter views in
   ``bucket.gradients()``), must leave the average of every rank's bucket in it, and returns a
-  future whose value is that buffer. ``ddp.register_comm_hook(state, hook)`` installs one on
+  future whose value is that buffer. It returns while its collectives are still in flight (not
+  a completed future: DDP's backward goes on with the next buckets meanwhile); a step that
+  needs a collective's result is chained on its future (``.then``, ``after``). ``ddp.register_comm_hook(state, hook)`` installs one on
   ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` (below) lets you call a hook
   by hand on a list of tensors.
 
   - fp16/bf16: cast the bucket to 16 bits, divide by N *before* summing (an fp16 sum of N
     large gradients overflows at 65504), all-reduce, cast back. Half the bytes; each value
-    carries a relative error of about 2^-11 (fp16) or 2^-8 (bf16).
+    carries a relative error of about 2^-11 (fp16) or 2^-8 (bf16). Dividing first trades
+    overflow for underflow (quotients below 6.1e-5 lose bits, below 6e-8 vanish): fp16
+    training scales the loss (``torch.amp.GradScaler``); bf16 has fp32's range.
   - PowerSGD (Vogels, Karimireddy and Jaggi, 2019, arXiv:1905.13727): view each gradient
     as an n x m matrix M and send a rank-r approximation, r(n + m) numbers instead of nm,
     found by one step of power iteration per training step:
@@ -29,7 +33,9 @@ Two levers cut its cost:
       * tensors not worth compressing (biases and other 1-D tensors, any matrix where
         r(n + m) x min_compression_rate >= nm) go through one plain all-reduce.
     ``PowerSGDState`` (given) holds the same state as torch's ``PowerSGDState`` (per bucket:
-    the error, P and Q), so the two hooks can be compared step by step.
+    the error, P and Q), so the two hooks can be compared step by step. Like torch, lay P
+    and Q out (and draw the first random Qs) grouped by matrix shape: on a transformer the
+    shapes repeat layer after layer, and bucket order would give each Q other numbers.
   - top-k (Aji and Heafield 2017, arXiv:1704.05021; Lin et al. 2018, arXiv:1712.01887):
     each rank sends only the k = ratio x numel entries of largest magnitude, as (index,
     value) pairs, and keeps the rest as its error for the next step (error feedback,
@@ -38,11 +44,14 @@ Two levers cut its cost:
     everyone's pairs (N k of them) and adds them up itself.
 
 * Route by topology. Inside a node GPUs talk over NVLink (hundreds of GB/s); across nodes
-  over InfiniBand or Ethernet (tens of GB/s per GPU). A flat ring crosses the slow links with
-  the whole buffer. Hierarchical all-reduce on ``nodes x ranks_per_node`` ranks:
-  reduce-scatter inside the node (each rank holds the node's sum of 1/L of the buffer),
-  all-reduce of that shard across nodes (one rank per node and shard: 1/L of the bytes on the
-  slow link), all-gather inside the node.
+  over InfiniBand or Ethernet (tens of GB/s per GPU). Both a flat ring and the hierarchical
+  scheme send about 2S out of each node; what differs is how many NICs carry it and how many
+  latency terms it pays (one ring uses one NIC per node; NCCL's rail-aligned rings use them
+  all; chapter 11 section 1 compares the three). Hierarchical all-reduce on
+  ``nodes x ranks_per_node`` ranks: reduce-scatter inside the node (each rank holds the
+  node's sum of 1/L of the buffer), all-reduce of that shard across nodes (one ring per local
+  index, all L at once: each rank sends 1/L of the bytes over its own NIC), all-gather inside
+  the node: 2(L - 1) + 2(M - 1) steps instead of the flat ring's 2(N - 1).
 
 * Hide what remains (the last section, "collective matmul"). Sequence parallelism's all-gather
   before a column-parallel matmul, and its reduce-scatter after a row-parallel one, are split
@@ -63,6 +72,7 @@ The hooks run on torch's ``DistributedDataParallel`` and on the chapter-02 ``lab
 (both: ``model.register_comm_hook(state, hook)``), or by hand on a ``FlatBucket``.
 """
 
+import threading
 import time
 
 import numpy as np
@@ -102,10 +112,81 @@ class FlatBucket:
 
 
 def completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future that already holds ``value``: what a hook that finished its work returns."""
+    """A future that already holds ``value`` (for a hook with nothing to send). A hook that
+    communicates returns the future of its collective instead, still pending: DDP's backward
+    goes on computing the next buckets while it is in flight, and waits for it at the end."""
     future = torch.futures.Future()
     future.set_result(value)
     return future
+
+
+def after(future: torch.futures.Future, start) -> torch.futures.Future:
+    """Chain a collective that needs the result of another: when ``future`` completes, call
+    ``start(future)``, which starts the next collective and returns its future (e.g.
+    ``dist.all_reduce(t, group=g, async_op=True).get_future()``); the future returned here
+    completes with that one's value. No thread waits in between (``future.then(f)`` completes
+    when ``f`` returns, so ``f`` would have to wait for the collective it started, holding one
+    of the backend's threads). An error in either completes it with that error."""
+    result = torch.futures.Future()
+
+    def forward(inner):
+        try:
+            result.set_result(inner.value())
+        except Exception as error:  # noqa: BLE001 - handed to whoever waits on the result
+            result.set_exception(error)
+
+    def begin(done):
+        try:
+            start(done).add_done_callback(forward)
+        except Exception as error:  # noqa: BLE001
+            result.set_exception(error)
+
+    future.add_done_callback(begin)
+    return result
+
+
+def future_of(work) -> torch.futures.Future:
+    """``work.get_future()`` of an ``async_op=True`` collective, also for the gloo ops whose Work
+    has none (reduce-scatter): then a helper thread waits on the work and completes the
+    future. Its value: what ``get_future()`` gives (a list of the output tensors), or None."""
+    try:
+        return work.get_future()
+    except RuntimeError:
+        future = torch.futures.Future()
+
+        def wait():
+            try:
+                work.wait()
+                future.set_result(None)
+            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+        threading.Thread(target=wait, daemon=True, name="labkit-future-of").start()
+        return future
+
+
+def in_turn(state, start) -> torch.futures.Future:
+    """Call ``start()`` (it issues a bucket's collectives and returns their future) once the
+    future of the previous call on ``state`` has completed, or now if it has. A hook whose
+    callbacks issue collectives (PowerSGD's Q, the hierarchical all-reduce's second and third
+    steps) runs them on the backend's threads; with several buckets in flight they would reach
+    the group in a different order on different ranks, and collectives match by order. In
+    turn, every rank issues bucket i's collectives before bucket i + 1's."""
+    previous = getattr(state, "_in_flight", None)
+    if previous is None or previous.done():
+        future = start()
+    else:
+        future = after(previous, lambda _: start())
+    state._in_flight = future
+    return future
+
+
+def average_future(buffer: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
+    """torch's default hook: divide ``buffer`` by the group size, start its all-reduce over
+    ``group``; the future's value is ``buffer`` (pending until the all-reduce is done)."""
+    buffer.div_(_group_size(group))
+    work = dist.all_reduce(buffer, group=group, async_op=True)
+    return work.get_future().then(lambda _: buffer)
 
 
 def _group_size(group) -> int:
@@ -215,92 +296,112 @@ def orthogonalize(matrix: torch.Tensor, epsilon: float = 0) -> None:
 
 
 def powersgd_hook(state: "PowerSGDState", bucket) -> torch.futures.Future[torch.Tensor]:
-    """PowerSGD with error feedback and warm start: leave the average of the ranks'
-    (compressed) gradients in ``bucket.buffer()`` and return a completed future of it.
-
-    Steps before ``state.start_powerSGD_iter`` are a plain average (given). Then, for bucket
-    ``i = bucket.index()``:
-
-    1. error feedback: add ``state.error_dict[i]`` (if any) to the buffer; keep a copy of the
-       result (the gradient this step tries to send);
-    2. split ``bucket.gradients()``: each viewed as ``[shape[0], -1]`` (n x m) with rank
-       ``r = min(n, m, state.matrix_approximation_rank)`` is compressed if ``should_compress``,
-       else it joins one flat tensor of the uncompressed ones: all-reduce it, divide by N and
-       copy it back (issue this all-reduce even when it is empty, as torch does);
-    3. P and Q live in two flat tensors (sum of n r, sum of m r), views [n, r] and [m, r] per
-       matrix. If there is no Q for this bucket yet, or not ``warm_start``: allocate them and
-       fill the Qs with ``state.random_qs``. Orthogonalise every Q;
-    4. P = M Q for each; all-reduce the flat P; orthogonalise each P; Q = M^T P; all-reduce
-       the flat Q and divide it by N; M = P Q^T, written into the gradient's view;
-    5. error feedback: ``state.error_dict[i]`` = the copy of step 1 minus the buffer now;
-       without warm start, forget P and Q; ``state.maybe_increase_iter(bucket)``.
-    """
-    group = state.process_group
-    world = _group_size(group)
-    buffer = bucket.buffer()
+    """PowerSGD as a DDP communication hook (given): the first ``state.start_powerSGD_iter``
+    steps a plain average (``average_future``), then your ``powersgd_compress``, each bucket
+    in turn (``in_turn``: its Q all-reduce is issued from a callback). Returns a future that is
+    still pending while the bucket's collectives are in flight."""
     if state.iter < state.start_powerSGD_iter:
         state.maybe_increase_iter(bucket)
-        buffer.div_(world)
-        dist.all_reduce(buffer, group=group)
-        return completed(buffer)
-    # BEGIN SOLUTION compress.powersgd: error feedback in, split (compress or not), plain all-reduce, P = MQ, all-reduce, orthogonalise, Q = M^T P, all-reduce / N, M = PQ^T, error out
-    index = bucket.index()
+        return average_future(bucket.buffer(), state.process_group)
+    return in_turn(state, lambda: powersgd_compress(state, bucket))
+
+
+def powersgd_compress(state: "PowerSGDState", bucket) -> torch.futures.Future[torch.Tensor]:
+    """One compressed step of PowerSGD on ``bucket``, as torch's ``powerSGD_hook`` does it:
+    start the collectives and return at once a future (pending while they are in flight) whose
+    value is ``bucket.buffer()`` holding the average of the ranks' compressed gradients.
+    For bucket ``i = bucket.index()``, over ``state.process_group`` (N ranks):
+
+    1. error feedback (``state.use_error_feedback``): add ``state.error_dict[i]`` (if any) to
+       the buffer; keep a copy of the result (the gradient this step tries to send);
+    2. split ``bucket.gradients()``: each viewed as ``[shape[0], -1]`` (n x m: a conv weight
+       [c_out, c_in, kh, kw] is c_out x c_in kh kw) with rank
+       ``r = min(n, m, state.matrix_approximation_rank)`` is compressed if ``should_compress``
+       (with ``state.min_compression_rate``), else it joins one flat tensor of the
+       uncompressed ones (biases, small matrices): start its all-reduce (issue it even when it
+       is empty, as torch does);
+    3. group the compressed matrices by shape, in the order each shape first appears (torch's
+       layout: on a transformer the shapes repeat interleaved, layer after layer, and the
+       order decides which random numbers each Q gets). P and Q live in two flat tensors (sum
+       of n r, sum of m r), views [n, r] and [m, r] per matrix in that grouped order. If there
+       is no Q for this bucket yet, or not ``state.warm_start``: allocate both and fill the Qs
+       with ``state.random_qs`` (in that order). Orthogonalise every Q
+       (``state.orthogonalization_epsilon``);
+    4. P = M Q for each; start the all-reduce of the flat P. When the uncompressed and P
+       all-reduces are done (``torch.futures.collect_all``): divide the uncompressed sum by N
+       and copy it back; orthogonalise each P; Q = M^T P; start the all-reduce of the flat Q
+       (``after``: a collective that needs the previous one's result). When it is done: divide
+       Q by N; M = P Q^T, written into the gradient's view; error feedback:
+       ``state.error_dict[i]`` = the copy of step 1 minus the buffer now; without warm start,
+       forget P and Q; ``state.maybe_increase_iter(bucket)``; the value is the buffer.
+    """
+    # BEGIN SOLUTION compress.powersgd: error feedback in, split (compress or not), start the plain all-reduce, P and Q grouped by shape, P = MQ, all-reduce; then orthogonalise, Q = M^T P, all-reduce; then / N, M = PQ^T, error out
+    group = state.process_group
+    world = _group_size(group)
+    buffer, index = bucket.buffer(), bucket.index()
     if state.use_error_feedback:
         if index in state.error_dict:
             buffer.add_(state.error_dict[index])
         intended = buffer.clone()
-    matrices, ranks, plain = [], [], []
+    by_shape, plain = {}, []
     for grad in bucket.gradients():
         matrix = grad.view(grad.shape[0], -1)
         rank = min(*matrix.shape, state.matrix_approximation_rank)
         if should_compress(*matrix.shape, rank, state.min_compression_rate):
-            matrices.append(matrix)
-            ranks.append(rank)
+            by_shape.setdefault(tuple(matrix.shape), []).append(matrix)
         else:
             plain.append(grad)
+    matrices = [matrix for same in by_shape.values() for matrix in same]  # torch's layout: grouped by shape
+    ranks = [min(*matrix.shape, state.matrix_approximation_rank) for matrix in matrices]
 
     # biases, norms and small matrices: one plain all-reduce
     flat = torch.cat([g.reshape(-1) for g in plain]) if plain else buffer.new_empty(0)
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    offset = 0
-    for grad in plain:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    plain_future = dist.all_reduce(flat, group=group, async_op=True).get_future()
 
     fresh = not state.warm_start or index not in state.q_memory_dict
     if fresh:
         state.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)))
         state.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)))
+    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]
     ps, qs, p_at, q_at = [], [], 0, 0
     for matrix, rank in zip(matrices, ranks):
         (n, m) = matrix.shape
-        ps.append(state.p_memory_dict[index][p_at:p_at + n * rank].view(n, rank))
-        qs.append(state.q_memory_dict[index][q_at:q_at + m * rank].view(m, rank))
+        ps.append(p_all[p_at:p_at + n * rank].view(n, rank))
+        qs.append(q_all[q_at:q_at + m * rank].view(m, rank))
         p_at, q_at = p_at + n * rank, q_at + m * rank
     if fresh:
         state.random_qs(qs)
     for q in qs:
         orthogonalize(q, state.orthogonalization_epsilon)
-
     for matrix, p, q in zip(matrices, ps, qs):
         torch.matmul(matrix, q, out=p)
-    dist.all_reduce(state.p_memory_dict[index], group=group)
-    for matrix, p, q in zip(matrices, ps, qs):
-        orthogonalize(p, state.orthogonalization_epsilon)
-        torch.matmul(matrix.t(), p, out=q)
-    dist.all_reduce(state.q_memory_dict[index], group=group)
-    state.q_memory_dict[index] /= world
-    for matrix, p, q in zip(matrices, ps, qs):
-        torch.matmul(p, q.t(), out=matrix)
+    p_future = dist.all_reduce(p_all, group=group, async_op=True).get_future()
 
-    if state.use_error_feedback:
-        state.error_dict[index] = intended - buffer
-    if not state.warm_start:
-        state.p_memory_dict.clear()
-        state.q_memory_dict.clear()
-    state.maybe_increase_iter(bucket)
-    return completed(buffer)
+    def compute_qs(_):
+        flat.div_(world)
+        offset = 0
+        for grad in plain:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        for matrix, p, q in zip(matrices, ps, qs):
+            orthogonalize(p, state.orthogonalization_epsilon)
+            torch.matmul(matrix.t(), p, out=q)
+        return dist.all_reduce(q_all, group=group, async_op=True).get_future()
+
+    def decompress(_):
+        q_all.div_(world)
+        for matrix, p, q in zip(matrices, ps, qs):
+            torch.matmul(p, q.t(), out=matrix)
+        if state.use_error_feedback:
+            state.error_dict[index] = intended - buffer
+        if not state.warm_start:
+            state.p_memory_dict.clear()
+            state.q_memory_dict.clear()
+        state.maybe_increase_iter(bucket)
+        return buffer
+
+    both = torch.futures.collect_all([plain_future, p_future])
+    return after(both, compute_qs).then(decompress)
     # END SOLUTION
 
 
@@ -346,17 +447,19 @@ def topk_count(numel: int, ratio: float) -> int:
 
 def topk_hook(state: "TopKState", bucket) -> torch.futures.Future[torch.Tensor]:
     """Top-k sparsification with error feedback (Aji and Heafield 2017; Lin et al. 2018):
-    leave in ``bucket.buffer()`` the average of what every rank sent; return a completed future.
+    leave in ``bucket.buffer()`` the average of what every rank sent; return the future of it,
+    pending while the all-gathers are in flight.
 
     1. error feedback: add ``state.error_dict[i]`` (i = ``bucket.index()``), if any, to the buffer;
     2. keep the k = ``topk_count(numel, state.ratio)`` values of largest magnitude: their
        indices (int64) and values (the buffer's dtype);
     3. the new error is the buffer with those k entries set to zero (what was not sent);
-    4. all-gather the indices, then the values (``dist.all_gather_single`` of k each, over
-       ``state.process_group``): sparse vectors do not add up element by element like dense
-       ones, so every rank gets everyone's k pairs;
-    5. zero the buffer, add every pair into it (``index_add_``: two ranks may send the same
-       index), divide by N.
+    4. start the all-gather of the indices, then of the values (``dist.all_gather_single``
+       of k each, ``async_op=True``, over ``state.process_group``): sparse vectors do not add
+       up element by element like dense ones, so every rank gets everyone's k pairs;
+    5. when both are done (``torch.futures.collect_all``, ``.then``): zero the buffer, add
+       every pair into it (``index_add_``: two ranks may send the same index), divide by N;
+       the value is the buffer.
     """
     # BEGIN SOLUTION compress.topk: add the error, k largest |values|, new error = the rest, all-gather indices then values, scatter-add into the zeroed buffer, / N
     group = state.process_group
@@ -373,11 +476,15 @@ def topk_hook(state: "TopKState", bucket) -> torch.futures.Future[torch.Tensor]:
 
     all_indices = indices.new_empty(world * k)
     all_values = values.new_empty(world * k)
-    dist.all_gather_single(all_indices, indices, group=group)
-    dist.all_gather_single(all_values, values, group=group)
-    buffer.zero_().index_add_(0, all_indices, all_values)
-    buffer.div_(world)
-    return completed(buffer)
+    gathered = [dist.all_gather_single(all_indices, indices, group=group, async_op=True).get_future(),
+                dist.all_gather_single(all_values, values, group=group, async_op=True).get_future()]
+
+    def scatter_add(_):
+        buffer.zero_().index_add_(0, all_indices, all_values)
+        buffer.div_(world)
+        return buffer
+
+    return torch.futures.collect_all(gathered).then(scatter_add)
     # END SOLUTION
 
 
@@ -413,7 +520,7 @@ class NodeGroups:
                 self.across, self.across_ranks = group, members
 
 
-def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> None:
+def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups, async_op: bool = False):
     """Sum ``tensor`` (contiguous, any shape) over the world, in place, in three steps:
 
     1. pad its flat view with zeros to a multiple of L = ``groups.ranks_per_node`` and
@@ -422,26 +529,41 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> None:
     2. all-reduce that shard across nodes (``groups.across``);
     3. all-gather the shards inside the node (``dist.all_gather_single``) and copy the
        first numel values back into ``tensor``.
+
+    Each step needs the one before: start the reduce-scatter (``async_op=True``; its future:
+    ``future_of(work)``, gloo's reduce-scatter has no ``get_future``) and chain the next two on
+    it with ``after``, the copy back with ``.then``. With ``async_op`` return that
+    future at once (pending while the steps are in flight; its value is ``tensor``), else wait
+    for it and return None.
     """
-    # BEGIN SOLUTION compress.hierarchical: pad to a multiple of L, reduce-scatter inside, all-reduce the shard across, all-gather inside, copy back
+    # BEGIN SOLUTION compress.hierarchical: pad to a multiple of L, start the reduce-scatter inside; after it the all-reduce of the shard across; after that the all-gather inside; then copy back
     flat = tensor.reshape(-1)
     shard = -(-flat.numel() // groups.ranks_per_node)
     padded = flat.new_zeros(shard * groups.ranks_per_node)
     padded[:flat.numel()] = flat
     part = flat.new_empty(shard)
-    dist.reduce_scatter_single(part, padded, group=groups.inside)
-    dist.all_reduce(part, group=groups.across)
-    dist.all_gather_single(padded, part, group=groups.inside)
-    tensor.copy_(padded[:flat.numel()].view_as(tensor))
+    scattered = future_of(dist.reduce_scatter_single(part, padded, group=groups.inside, async_op=True))
+    summed = after(scattered, lambda _: dist.all_reduce(part, group=groups.across, async_op=True).get_future())
+    gathered = after(summed, lambda _: dist.all_gather_single(padded, part, group=groups.inside,
+                                                              async_op=True).get_future())
+
+    def copy_back(_):
+        tensor.copy_(padded[:flat.numel()].view_as(tensor))
+        return tensor
+
+    future = gathered.then(copy_back)
+    if async_op:
+        return future
+    future.wait()
     # END SOLUTION
 
 
 def hierarchical_hook(groups: NodeGroups, bucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP communication hook: the bucket averaged by your hierarchical all-reduce."""
+    """A DDP communication hook: the bucket averaged by your hierarchical all-reduce, started
+    at once and returned pending (buckets in turn: see ``in_turn``)."""
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size())
-    hierarchical_all_reduce(buffer, groups)
-    return completed(buffer)
+    return in_turn(groups, lambda: hierarchical_all_reduce(buffer, groups, async_op=True))
 
 
 def hierarchical_bytes(numel: int, element_size: int, nodes: int, ranks_per_node: int) -> dict[str, float]:

@@ -188,3 +188,38 @@ class SavedBytes:
     @property
     def bytes(self):
         return sum(self.storages.values())
+
+
+class SavedPeak:
+    """The peak of the bytes autograd holds for backward, over forward AND backward (``with
+    peak.hooks(): loss = model(x).sum(); loss.backward()``; read ``peak.peak``): every tensor
+    saved through ``saved_tensors_hooks`` is followed by a weak reference to its storage (each
+    storage once, the given modules' parameters left out) until it is freed; the live bytes are
+    sampled at every save, which is where they grow: in forward and in the recomputations of
+    backward. ``live_bytes()``: those alive now."""
+
+    def __init__(self, *exclude: torch.nn.Module):
+        self.skip = {p.untyped_storage()._cdata for m in exclude for p in m.parameters()}
+        self.live: dict[int, StorageWeakRef] = {}
+        self.peak = 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage._cdata not in self.skip:
+            known = self.live.get(storage._cdata)
+            if known is None or known.expired():
+                self.live[storage._cdata] = StorageWeakRef(storage)
+            self.peak = max(self.peak, self.live_bytes())
+        return t
+
+    def live_bytes(self) -> int:
+        total = 0
+        for key, ref in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+            else:
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)

@@ -69,7 +69,8 @@ class MoEMLP(nn.Module):
 
     A gate [E, H] sends each token to the k most probable of E expert MLPs
     gelu(x @ w1[e]) @ w2[e] (w1 [E, H, 4H], w2 [E, 4H, H], no biases), weighted by the k
-    probabilities renormalised to sum to 1. With a capacity factor C an expert keeps at most
+    probabilities renormalised to sum to 1 (for k = 1 by the probability itself, as Switch
+    does: a renormalised top-1 weight is always 1 and trains no router). With a capacity factor C an expert keeps at most
     ceil(C k T / E) of the call's T tokens, earliest (token, slot) first; a dropped choice adds
     nothing. After forward, ``aux`` holds the load-balancing loss E sum_e f_e P_e of the call's
     tokens (Switch, Fedus et al., 2021, arXiv:2101.03961), ``experts`` the k choices of each
@@ -95,7 +96,8 @@ class MoEMLP(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         probs = (tokens @ self.gate.t()).softmax(dim=-1)
         weights, experts = probs.topk(self.k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         keep = self._keep(experts)
         y = torch.zeros_like(tokens)
         for e in range(self.num_experts):

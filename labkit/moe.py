@@ -68,22 +68,28 @@ import torch.nn.functional as F
 # ----------------------------------------------------------------------------- router
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int):
-    """Top-k routing of tokens ``x`` [T, H] with a linear gate [E, H].
+    """Top-k routing of tokens ``x`` [T, H] with a linear gate [E, H] (both of one dtype).
 
-    Returns (experts [T, k] int64, weights [T, k], probs [T, E], logits [T, E]); the weights
-    are the chosen softmax probabilities renormalised to sum to 1 per token."""
-    # BEGIN SOLUTION moe.router: logits = x @ W.T, softmax, topk, divide the k weights by their sum
+    Returns (experts [T, k] int64, weights [T, k], probs [T, E], logits [T, E]), the floats
+    in the dtype of ``x``. For k >= 2 the weights are the chosen softmax probabilities
+    renormalised to sum to 1 per token (GShard, Mixtral). For k = 1 the weight is the chosen
+    probability itself, not renormalised (Switch Transformer): renormalised, it would always
+    be 1, and the router would get no gradient from the task loss (only from the auxiliary
+    losses)."""
+    # BEGIN SOLUTION moe.router: logits = x @ W.T, softmax, topk; for k >= 2 divide the k weights by their sum, for k = 1 keep the probability (Switch: a weight of 1 gives the router no gradient)
     logits = x @ gate_weight.t()
     probs = logits.softmax(dim=-1)
     weights, experts = probs.topk(k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights, probs, logits
     # END SOLUTION
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Switch/GShard auxiliary loss E * sum_e f_e * P_e: f_e the fraction of the T*k choices
-    sent to expert e (no gradient), P_e the mean router probability of e. 1 when balanced."""
+    sent to expert e (no gradient), P_e the mean router probability of e. 1 when balanced.
+    In the dtype of ``probs``."""
     # BEGIN SOLUTION moe.router: f = bincount(experts)/(T*k), P = probs.mean(0), E * (f * P).sum()
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts).to(probs.dtype)
     fraction = counts / experts.numel()
@@ -92,7 +98,8 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts:
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE router z-loss (Zoph et al., 2022, arXiv:2202.08906): mean of logsumexp(logits)^2."""
+    """ST-MoE router z-loss (Zoph et al., 2022, arXiv:2202.08906): mean of logsumexp(logits)^2,
+    in the dtype of ``logits``. Exact where exp(logits) overflows (logits of 1e3 in fp32)."""
     # BEGIN SOLUTION moe.router: torch.logsumexp over experts, squared, mean over tokens
     return torch.logsumexp(logits, dim=-1).pow(2).mean()
     # END SOLUTION
@@ -223,7 +230,7 @@ class ExpertParallelMoE(nn.Module):
         per_expert = received.sum(dim=0).tolist()
         outputs = [expert_mlp(block, self.w1[e], self.w2[e])
                    for e, block in enumerate(rows[by_expert].split(per_expert))]
-        computed = torch.cat(outputs) if outputs else rows
+        computed = torch.cat(outputs)  # never empty: every rank holds E/N >= 1 experts
         results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to received order
         back = AllToAll.apply(results, send_splits, recv_splits, self.group)
         unsorted = torch.empty_like(back).index_copy(0, order, back)          # the inverse permutation

@@ -61,7 +61,7 @@ def run_learner(fn, *args) -> str | None:
         fn(*args)
         return None
     except NotImplementedError as exc:
-        return f"not implemented: {str(exc).split(':')[0]}"
+        return f"not implemented: {exc}"
 
 
 def check_correctness(device) -> list[dict]:

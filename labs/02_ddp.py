@@ -32,7 +32,7 @@ from labkit.oracles import DDP_BENCH_GPT, builtin_ddp
 
 SMALL = GPTConfig(block_size=8, n_embd=16)    # for exactness
 BENCH = GPTConfig(**DDP_BENCH_GPT)            # for bytes and overlap
-GLOBAL_BATCH, MICRO, STEPS, LR = 24, 2, 5, 0.1  # 24 = 2 micro-batches of 12, even over 1-4 and 6 ranks
+GLOBAL_BATCH, MICRO, STEPS, LR = 96, 2, 5, 0.1  # 2 micro-batches of 48: even over 1-4, 6, 8, 12 and 16 ranks
 CAP_MB = 0.05                                 # small buckets: several per backward
 
 
@@ -83,7 +83,7 @@ def check_correctness(device) -> dict:
         try:
             history = train(wrap, device, rank, n)
         except NotImplementedError as exc:
-            verdicts[label] = f"not implemented: {str(exc).split(':')[0]}"
+            verdicts[label] = f"not implemented: {exc}"
             continue
         bad = [(step, i, why) for step, (got, want) in enumerate(zip(history, reference))
                for i, (a, b) in enumerate(zip(got, want)) if (why := mismatch(a, b))]
@@ -106,7 +106,7 @@ def measure(device, batch=4) -> dict | str:
             ddp(x, y)[1].backward()
             ended = len(tracer.timeline)
     except NotImplementedError as exc:
-        return f"not implemented: {str(exc).split(':')[0]}"
+        return f"not implemented: {exc}"
     reduces = [i for i, e in enumerate(tracer.events) if e.kind == "all_reduce"]
     posts = {s.event: k for k, s in enumerate(tracer.timeline) if s.what == "post"}
     last_compute = max((k for k, s in enumerate(tracer.timeline[:ended]) if s.what == "compute"), default=-1)

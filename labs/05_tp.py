@@ -4,7 +4,7 @@
     python labs/05_tp.py --world-size 2        # labkit.launch starts the ranks
 
 It splits the lab GPT (vocabulary 48, 2 blocks of 48 channels, 12 heads: every split size divides
-by 1, 2, 3, 4 and 6) with your ``tensor_parallel`` (``labkit/tp.py``); trains it for 5 AdamW steps
+by 1, 2, 3, 4, 6 and 12; on 8 or 16 ranks 16 heads of 3 channels instead) with your ``tensor_parallel`` (``labkit/tp.py``); trains it for 5 AdamW steps
 in float64 next to the single-process GPT, with the tied and with an untied head, and (untied) next
 to the same GPT split by ``parallelize_module``; compares the losses of every step and, through your
 ``full_state_dict``, the parameters after the last one, on every rank. Then it traces one float32
@@ -36,6 +36,7 @@ from labkit.oracles import builtin_tensor_parallel, device_mesh, loss_parallel
 from labkit.timing import interleaved_medians
 
 SHAPE = dict(vocab_size=48, block_size=8, n_layer=2, n_head=12, n_embd=48)   # the grader's GPT
+SHAPE_16 = dict(SHAPE, n_head=16)   # on 8 and 16 ranks, where 12 heads do not split evenly
 B, STEPS = 3, 5                     # sequences per step (the same on every rank); AdamW steps
 T, H, L = SHAPE["block_size"], SHAPE["n_embd"], SHAPE["n_layer"]
 BTH, BT = B * T * H, B * T
@@ -53,8 +54,13 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def shape(n: int) -> dict:
+    """The lab GPT for n ranks: 12 heads where they split evenly, else 16 (labscript.WORLD_SIZES)."""
+    return SHAPE if SHAPE["n_head"] % n == 0 else SHAPE_16
+
+
 def gpt(tie: bool, device, dtype=torch.float32) -> GPT:
-    return GPT(GPTConfig(**SHAPE, tie_weights=tie)).to(device=device, dtype=dtype)
+    return GPT(GPTConfig(**shape(dist.get_world_size()), tie_weights=tie)).to(device=device, dtype=dtype)
 
 
 def batch(step: int, device):
@@ -184,7 +190,7 @@ def as_tensor(losses: list[float]) -> torch.Tensor:
 def report(results: list[dict]) -> bool:
     n = len(results)
     print(f"Lab 05: tensor parallelism on {n} rank(s), backend {results[0]['backend']}, rank 0 on {results[0]['device']}")
-    print(f"GPT {SHAPE}, {B} sequences of {T} tokens per step, the same on every rank\n")
+    print(f"GPT {shape(n)}, {B} sequences of {T} tokens per step, the same on every rank\n")
     if results[0]["missing"]:
         print(f"not implemented yet: {results[0]['missing']}")
         return False
@@ -221,7 +227,7 @@ def report(results: list[dict]) -> bool:
     print(f"  bytes sent per rank (ring model): {t['sent']:,.0f}; formula 2(N-1)/N x 4 x [2(1+2L) BTH + 3 BT] "
           f"= {formula:,.0f}   {'ok' if counts_ok and bytes_ok else 'MISMATCH'}\n")
 
-    full = GPT(GPTConfig(**SHAPE, tie_weights=False))
+    full = GPT(GPTConfig(**shape(n), tie_weights=False))
     phi = sum(p.numel() for p in full.parameters())
     rep = sum(p.numel() for name, p in full.named_parameters() if any(k in name for k in REPLICATED))
     expected_bytes = 4 * ((phi - rep) / n + rep)

@@ -37,9 +37,9 @@ from labkit.comm import CommTracer
 from labkit.course.labscript import lab_arguments, run_lab
 from labkit.models import GPT, GPTConfig
 
-B, HEADS, D = 2, 12, 4        # attention [B, HEADS, T, D]; 12 heads split over 1, 2, 3, 4 ranks (Ulysses)
+B, HEADS, D = 2, 48, 4        # attention [B, HEADS, T, D]; 48 heads split over 1-4, 6, 8, 12, 16 ranks (Ulysses)
 ROWS = 8                      # tokens per rank: T = 8 N, 2N zig-zag chunks of 4
-BLOCK = GPTConfig(vocab_size=32, block_size=64, n_layer=1, n_head=12, n_embd=24)
+BLOCK = GPTConfig(vocab_size=32, block_size=64, n_layer=1, n_head=48, n_embd=96)   # T = 4 N <= 64
 TOKENS_PER_RANK = 4           # Megatron-SP block: T = 4 N
 TASKS = ("sp.megatron", "sp.ring_attention", "sp.zigzag", "sp.ulysses")
 

@@ -46,7 +46,7 @@ from labkit.launch import launch, release_process_groups, restart_count, under_t
 from labkit.models import GPT, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)   # the grader's GPT
-BATCH = 12   # sequences per global batch: divides by 1, 2, 3, 4, 6 and 12 ranks
+BATCH = 48   # sequences per global batch: divides by 1, 2, 3, 4, 6, 8, 12 and 16 ranks
 LR = 1e-2
 
 
@@ -138,7 +138,7 @@ def report(results: list[dict], fail_at: int | None) -> bool:
     first = results[0]
     print(f"Lab 09: resume_training on {first['world']} rank(s), backend {first['backend']}")
     if first["missing"]:
-        print(f"not implemented yet: {first['missing'].split(':')[0]}")
+        print(f"not implemented yet: {first['missing']}")
         return False
     print(f"finished in attempt {first['attempt']} ({first['attempt']} restart(s))"
           + (f"; a rank was to die before step {fail_at}" if fail_at is not None else ""))
@@ -176,9 +176,7 @@ def checkpoint_root(given: str | None) -> tuple[str, bool]:
 
 def run(args) -> None:
     """Like ``labkit.course.labscript.run_lab``, with the launcher's restarts."""
-    world = int(os.environ.get("WORLD_SIZE", args.world_size))
-    if BATCH % world:
-        sys.exit(f"labs/09_elastic.py: the global batch of {BATCH} sequences must divide by the world size ({world})")
+    world = int(os.environ.get("WORLD_SIZE", args.world_size))   # checked by parse_args (labscript.WORLD_SIZES)
     root, made_here = checkpoint_root(args.checkpoint_dir)
     try:
         results = launch(main, world, root, args.steps, args.save_every, args.fail_at, args.step_pause,

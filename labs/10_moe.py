@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 labs/10_moe.py
     python labs/10_moe.py --world-size 4        # labkit.launch starts the ranks
 
-On every rank, in float64 (``labkit/moe.py``), E = 4 experts split E/N per rank, top-2 routing
+On every rank, in float64 (``labkit/moe.py``), E = 16 experts split E/N per rank, top-2 routing
 with capacity factor 1.25, the gate lifted towards expert 0 so routing starts uneven:
 
 * 5 AdamW steps of your ``ExpertParallelMoE`` against ``reference_moe`` (one process, every
@@ -32,7 +32,7 @@ from labkit.check import mismatch
 from labkit.comm import CommTracer
 from labkit.course.labscript import lab_arguments, report_checks, run_lab
 
-HIDDEN, FFN, EXPERTS, TOP_K, FACTOR, TOKENS, STEPS = 16, 32, 4, 2, 1.25, 32, 5
+HIDDEN, FFN, EXPERTS, TOP_K, FACTOR, TOKENS, STEPS = 16, 32, 16, 2, 1.25, 32, 5   # E/N experts a rank: N = 1, 2, 4, 8, 16
 TASKS = ("moe.router", "moe.capacity", "moe.dispatch", "moe.layer", "moe.ep_dp")
 MOE_GPT = dict(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, n_experts=4, moe_k=2,
                moe_capacity_factor=1.25)

@@ -225,7 +225,8 @@ def report_hierarchical(results) -> bool:
         print(f"hierarchical all-reduce: not implemented yet: {results[0]['hierarchical_missing']}\n")
         return False
     print(f"hierarchical all-reduce of {NUMEL:,} fp32 values; ring bytes one rank sends per link class:")
-    print("  layout   inside a node   across nodes   (flat ring: every byte may cross a node boundary)")
+    print("  layout   inside a node   across nodes   (flat ring: bytes per rank; in a node-major ring one rank's")
+    print("                                           sends per node cross, so that is also what leaves a node)")
     for row in results[0]["hierarchical"]["rows"]:
         print(f"  {row['nodes']} x {row['per_node']}   {row['inside']:13,.0f}   {row['across']:12,.0f}   "
               f"(flat ring {row['flat']:,.0f})")
@@ -274,8 +275,8 @@ def report_chapter02_ddp(results) -> bool:
 
 # ----------------------------------------------------------------------------- collective matmul
 
-CM_B, CM_T, CM_EMBD = 2, 24, 24      # the check (T and 4 n_embd divide by 1, 2, 3, 4)
-CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (divide by 1-4)
+CM_B, CM_T, CM_EMBD = 2, 48, 24      # the check (T and 4 n_embd divide by 1-4, 6, 8, 12, 16)
+CM_TIMED = (4, 480, 240)             # the timing: [B, T, n_embd] of the column layer's input (as CM_T)
 CM_REPEATS = 9
 
 

@@ -16,6 +16,9 @@ written out op by op (``MemoryBlock``):
   fp32 copies, 12 bytes per parameter on the host, 4 over the link per step;
 * gradient accumulation over 3 micro-batches: the gradients of the whole global batch, and
   one all-reduce per parameter, after the last micro-batch only;
+* Chen's segments (your checkpoint_segments) on 16 blocks that each save their input: the peak of
+  saved bytes over forward and backward, measured, at every segment length k, against
+  max(ceil(L/k), j + k_j) inputs, least at k = sqrt(16) = 4;
 * time per step, yours vs torch.utils.checkpoint vs none, at three sequence lengths.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
@@ -37,7 +40,7 @@ from labkit.oracles import builtin_checkpoint
 
 DROPOUT, STEPS, MICRO = 0.2, 3, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=4, n_head=2, n_embd=16)
-TASKS = ("recompute.checkpoint", "recompute.selective", "recompute.offload", "recompute.optimizer_offload",
+TASKS = ("recompute.checkpoint", "recompute.segments", "recompute.selective", "recompute.offload", "recompute.optimizer_offload",
          "recompute.accumulate")
 
 
@@ -179,6 +182,44 @@ def check_accumulate() -> dict:
                 all_reduces=tracer.count("all_reduce"), want_all_reduces=want, other_ops=len(tracer.events) - tracer.count("all_reduce"))
 
 
+class Scale(torch.nn.Module):
+    """x * w: a block that saves exactly its input (Chen's layers: activation = input)."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, h, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def segment_peaks(layers: int = 16, h: int = 64) -> list:
+    """(k, measured peak in inputs, formula in inputs) for segments of k = 1..layers blocks."""
+    from labkit.memory import SavedPeak
+    from labkit.recompute import checkpoint_segments
+    rows, given = [], 2 * h * 8
+    for k in range(1, layers + 1):
+        stack = Stack([Scale(h) for _ in range(layers)])
+        checkpoint_segments(stack, k)
+        peak = SavedPeak(stack)
+        with peak.hooks():
+            stack(torch.randn(2, h, dtype=torch.float64, requires_grad=True)).sum().backward()
+        runs = [min(k, layers - i) for i in range(0, layers, k)]
+        rows.append((k, peak.peak / given, max(len(runs), max(j + n for j, n in enumerate(runs)))))
+    return rows
+
+
 def timings() -> list:
     from labkit.recompute import checkpoint_every, memory_gpt
     rows = []
@@ -208,6 +249,7 @@ def main() -> dict:
         result["optimizer"] = check_optimizer_offload()
         result["fsdp_offload"] = check_against_fsdp_offload()
         result["accumulate"] = check_accumulate()
+        result["segments"] = segment_peaks()
         result["timings"] = timings() if dist.get_rank() == 0 else []
     except NotImplementedError as exc:  # a stub raises on every rank alike
         result["missing"] = str(exc)
@@ -235,6 +277,9 @@ def report(results: list[dict]) -> bool:
     acc = results[0]["accumulate"]
     print(f"accumulation over {MICRO} micro-batches: {acc['all_reduces']} all-reduces after the last one "
           f"({acc['want_all_reduces']} expected: one per parameter)")
+    seg = results[0]["segments"]
+    print("Chen's segments, 16 blocks that save their input: peak of saved bytes in inputs, measured / formula:")
+    print("  " + "  ".join(f"k={k}: {got:g}/{want}" for k, got, want in seg))
     print("\ntime per forward+backward (rank 0, L=4 h=64 a=4 b=4, dropout 0.1), ms:")
     print("   seq    none   yours   torch  yours/torch")
     for seq, t in results[0]["timings"]:
@@ -252,6 +297,10 @@ def report(results: list[dict]) -> bool:
             for r in results),
         "optimizer offload: losses = FSDP2 with CPUOffloadPolicy at every step, every rank": all(
             r["fsdp_offload"]["same"] for r in results),
+        "segments: measured peak = max(ceil(L/k), j + k_j) inputs at every k": all(
+            got == want for r in results for _, got, want in r["segments"]),
+        "segments: the least peak at k = sqrt(16) = 4": all(
+            min(r["segments"], key=lambda row: row[1])[1] == r["segments"][3][1] for r in results),
         "accumulation: gradients of the global batch": all(r["accumulate"]["grads_ok"] for r in results),
         "accumulation: nothing communicated before the last micro-batch": all(r["accumulate"]["quiet_before_last"] for r in results),
         "accumulation: one all-reduce per parameter, nothing else": all(

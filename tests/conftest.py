@@ -2,7 +2,7 @@ import pytest
 
 from labkit.course.workspace import is_student_workspace
 
-pytest_plugins = ["labkit.course.grading"]
+pytest_plugins = ["labkit.course.grading", "labkit.course.coverage"]
 
 # Tests that exercise the reference solutions (not the infrastructure) skip in a learner
 # workspace, where those solutions are stubs; the infrastructure tests run in both trees.

@@ -34,3 +34,56 @@ def test_a_stubbed_row_says_not_implemented(monkeypatch):
         raise WorkerError(0, "NotImplementedError", "collectives.all_reduce: pad to a multiple of N", "")
     monkeypatch.setitem(bench.ROWS, "stub", stub_row)
     assert bench.run(["stub"]) == ["stub: not implemented yet (collectives.all_reduce: pad to a multiple of N)"]
+
+
+def test_rows_that_cannot_take_the_world_size_are_skipped_with_a_reason_and_the_rest_run(monkeypatch):
+    from labkit.course.bench import runner
+    ran = []
+
+    def fine(**options):
+        ran.append(options["world_size"])
+        return bench.BenchRow("fine", 1.0, 2.0)
+
+    def broken(**options):
+        raise WorkerError(1, "RuntimeError", "boom\nmore", "")
+    monkeypatch.setitem(bench.ROWS, "halves", fine)
+    monkeypatch.setitem(runner.SIZES, "halves", (runner.divides(8), "its 8 heads split evenly"))
+    monkeypatch.setitem(bench.ROWS, "fine", fine)
+    monkeypatch.setitem(bench.ROWS, "broken", broken)
+    out = bench.run(["halves", "broken", "fine"], world_size=3)
+    assert out[0] == "halves: skipped at 3 ranks: its 8 heads split evenly; it runs on 1, 2, 4, 8", out
+    assert out[1] == "broken: FAILED on rank 1: RuntimeError: boom", out
+    assert isinstance(out[2], bench.BenchRow) and ran == [3], out   # the row after them still ran
+    assert runner.size_problem("tp", 3) and runner.size_problem("tp", 4) is None   # the real rows declare theirs
+
+
+def test_an_unknown_row_is_refused_before_any_runs_with_a_did_you_mean():
+    import pytest
+    with pytest.raises(ValueError, match="no benchmark row 'tpp'; did you mean tp?"):
+        bench.run(["ring_all_reduce", "tpp"])
+
+
+def test_the_table_stays_in_line_with_long_labels_and_explains_every_extra_figure():
+    import ast
+    from pathlib import Path
+    from labkit.course.bench import runner
+    rows = [bench.BenchRow("short", 0.001, 0.002, 10, 10, extra=dict(balanced_formula=5)),
+            bench.BenchRow("a much longer label " * 5, 0.001, 0.002)]
+    lines = bench.format_table(rows).splitlines()
+    header, first, second = lines[0], lines[2], lines[4]
+    assert len(first) == len(second) == len(header), "\n".join(lines)   # every column ends where its title does
+    assert any(line.strip().startswith("balanced_formula") and "evenly" in line for line in lines), lines
+    # Every extra figure a row reports has its meaning written down.
+    keys = set()
+    for path in Path(runner.__file__).parent.glob("ch*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            value = None
+            if isinstance(node, ast.keyword) and node.arg == "extra":
+                value = node.value
+            elif isinstance(node, (ast.Assign, ast.AugAssign)) and "extra" in ast.unparse(node).split("=")[0]:
+                value = node.value
+            if isinstance(value, ast.Dict):
+                keys |= {k.value for k in value.keys if isinstance(k, ast.Constant)}
+            elif isinstance(value, ast.Call) and ast.unparse(value.func) == "dict":
+                keys |= {k.arg for k in value.keywords}
+    assert len(keys) > 20 and keys <= set(runner.EXTRA_MEANINGS), sorted(keys - set(runner.EXTRA_MEANINGS))

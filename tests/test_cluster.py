@@ -45,3 +45,51 @@ def test_the_sbatch_torchrun_line_runs_as_two_agents(tmp_path):
     assert [a.returncode for a in agents] == [0, 0], "\n\n".join(o[-3000:] for o in outputs)
     report = next(o for o in outputs if "Lab 02: DDP on 2 rank(s)" in o)
     assert "DDP, buckets               ok" in report, report
+
+
+STAND_IN_SRUN = """#!/bin/bash
+# srun as one node sees it: what it was given, then the command itself
+echo "srun SRUN_CPUS_PER_TASK=$SRUN_CPUS_PER_TASK"
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+STAND_IN_TORCHRUN = """#!/bin/bash
+echo "torchrun VIRTUAL_ENV=$VIRTUAL_ENV OMP_NUM_THREADS=$OMP_NUM_THREADS"
+for arg in "$@"; do echo "arg [$arg]"; done
+"""
+
+
+def run_sbatch(tmp_path, job_id: str, *lab_args: str) -> str:
+    """The whole sbatch script, as Slurm would run it on a 2-node job of 8 GPUs and 16 CPUs a node,
+    with stand-ins for srun and scontrol, and torchrun in the job's environment printing its arguments."""
+    bin_dir, venv = tmp_path / "bin", tmp_path / "submit" / ".venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    bin_dir.mkdir(exist_ok=True)
+    for path, text in ((bin_dir / "srun", STAND_IN_SRUN), (bin_dir / "scontrol", "#!/bin/bash\necho node0; echo node1\n"),
+                       (venv / "bin" / "torchrun", STAND_IN_TORCHRUN),
+                       (venv / "bin" / "activate", f'export VIRTUAL_ENV={venv}\nexport PATH="{venv}/bin:$PATH"\n')):
+        path.write_text(text)
+        path.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "SRUN", "VIRTUAL_ENV", "CONDA_PREFIX"))
+           and k not in ("OMP_NUM_THREADS", "RDZV_PORT", "HEAD_NODE", "GPUS_PER_NODE", "VENV")}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8", SLURM_CPUS_PER_TASK="16",
+               SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node[0-1]", SLURM_SUBMIT_DIR=str(tmp_path / "submit"))
+    proc = subprocess.run(["bash", str(SBATCH), "labs/09_elastic.py", *lab_args], cwd=tmp_path / "submit", env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_the_sbatch_script_passes_cpus_environment_threads_a_port_of_its_own_and_every_argument(tmp_path):
+    out = run_sbatch(tmp_path, "1234", "--checkpoint-dir", "/shared/my ckpt", "--fail-at", "3", "--note", "$HOME;*")
+    assert "srun SRUN_CPUS_PER_TASK=16" in out, out                        # srun gets --cpus-per-task again
+    venv = tmp_path / "submit" / ".venv"
+    assert f"torchrun VIRTUAL_ENV={venv} OMP_NUM_THREADS=2" in out, out   # activated; 16 CPUs / 8 ranks
+    args = [line[5:-1] for line in out.splitlines() if line.startswith("arg [")]
+    assert args[-7:] == ["labs/09_elastic.py", "--checkpoint-dir", "/shared/my ckpt", "--fail-at", "3",
+                         "--note", "$HOME;*"], args                         # every argument intact, unexpanded
+    endpoint = args[args.index("--rdzv-endpoint") + 1]
+    other = run_sbatch(tmp_path, "1235")
+    other_args = [line[5:-1] for line in other.splitlines() if line.startswith("arg [")]
+    assert endpoint.startswith("node0:") and endpoint != other_args[other_args.index("--rdzv-endpoint") + 1], \
+        "two jobs on the same first node must rendezvous on different ports"

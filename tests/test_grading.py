@@ -76,6 +76,68 @@ def test_grading_files_resolve_chapter_numbers_and_names():
         grading.grading_files(["nope"], ROOT)
 
 
+
+@pytest.mark.parametrize("name, module", [
+    ("12", "recompute"), ("recompute", "recompute"), ("memory", "recompute"), ("12_memory", "recompute"),
+    ("labs/12_memory.py", "recompute"), ("hybrid", "mesh"), ("08", "mesh"), ("8", "mesh"), ("comm", "compress"),
+    ("11_comm", "compress"), ("elastic", "elastic"), ("fault tolerance", "elastic"), ("Data-Parallelism", "dp"),
+    ("tensor_parallelism", "tp"), ("00", "collectives"), ("0", "collectives"),
+])
+def test_chapters_answer_to_their_number_module_title_and_lab_name(name, module):
+    assert grading.resolve_selection([name], ROOT) == ([module], [])
+    assert grading.grading_files([name], ROOT)[0] == ROOT / "tests" / "grading" / f"test_{module}.py"
+
+
+def test_every_readme_chapter_title_and_lab_name_is_accepted():
+    readme = (ROOT / "README.md").read_text()
+    titles = re.findall(r"^\| (\d\d) \| \[([^\]]+)\]\(chapters/", readme, re.M)
+    assert len(titles) == len(grading.CHAPTERS), titles
+    for number, title in titles:
+        assert grading.resolve_selection([title], ROOT)[0] == [grading.CHAPTERS[number]], title
+    for lab in (ROOT / "labs").glob("[0-9][0-9]_*.py"):
+        assert grading.resolve_selection([lab.stem], ROOT)[0] == [grading.CHAPTERS[lab.name[:2]]], lab.stem
+
+
+@pytest.mark.parametrize("name, suggestion", [("moe.capcity", "did you mean moe.capacity?"),
+                                              ("memry", "did you mean memory?"), ("13_memory", "")])
+def test_an_unknown_name_is_refused_with_a_did_you_mean(name, suggestion):
+    with pytest.raises(ValueError, match=re.escape(f"no ") + ".*" + re.escape(suggestion)) as error:
+        grading.resolve_selection(["00", name], ROOT)
+    assert str(error.value).count("\n") == 0 and len(str(error.value)) < 400, str(error.value)
+
+
+def run_cli(*args, cwd=ROOT):
+    import subprocess, sys, os
+    return subprocess.run([sys.executable, "-m", "labkit.course.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["grade", "moe.capcity"], "did you mean moe.capacity?"),
+    (["grade", "00", "--json", "/nonexistent/dir/r.json"], "the folder /nonexistent/dir does not exist"),
+], ids=["typo", "json-folder"])
+def test_labkit_grade_refuses_bad_input_at_once_with_exit_2(args, says):
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "tests:" not in proc.stdout, proc.stdout   # nothing ran
+
+
+def test_the_score_table_is_printed_even_when_results_json_cannot_be_written(tmp_path, monkeypatch, capsys):
+    from labkit.course import cli
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def grade_then_lose_the_folder(*args, **kwargs):   # the folder goes away while grading
+        folder.rmdir()
+        return [dict(name="t::a[2]", task="collectives.all_reduce", points=1.0, world_size=2,
+                     outcome="passed", output="")], ""
+    monkeypatch.setattr(grading, "run_tests", grade_then_lose_the_folder)
+    status = cli.main(["--root", str(ROOT), "grade", "collectives.all_reduce", "--json", str(folder / "r.json")])
+    out, err = capsys.readouterr()
+    assert status == 2 and "could not write" in err, out + err
+    assert "collectives.all_reduce" in out and "1/1" in out and "total" in out, out
+
+
 RECORDS = [
     dict(name="t::a[1]", task="x.one", points=0.0, world_size=1, outcome="passed", output=""),
     dict(name="t::a[2]", task="x.one", points=1.0, world_size=2, outcome="failed", output="x.one: rank 1 off by 2"),
@@ -116,7 +178,7 @@ def test_a_failure_caused_by_another_tasks_stub_names_it_first():
                dict(name="t::g[2]", task="x.one", points=1.0, outcome="failed", output="x.one: off by one")]
     report = grading.failure_report(records).splitlines()
     assert report[0] == ("NEEDS fsdp.shard: elastic.save uses your fsdp.shard (labkit/fsdp.py:80 in shard_tensor), "
-                         "still a stub: grade fsdp first"), report
+                         "still a stub: implement fsdp.shard first"), report
 
 
 def test_long_failure_output_is_truncated():

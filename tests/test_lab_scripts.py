@@ -17,9 +17,9 @@ SCRIPTS = sorted((ROOT / "labs").glob("[0-9][0-9]_*.py"))
 pytestmark = needs_solutions  # a workspace's scripts exit 1 until its tasks are done
 
 
-def run(*cmd: str) -> subprocess.CompletedProcess:
+def run(*cmd: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run(list(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(list(cmd), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_every_chapter_has_a_lab_script():
@@ -32,6 +32,8 @@ def test_the_script_passes_its_checks_on_two_ranks(script):
     proc = run(sys.executable, str(script), "--world-size", "2")
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     assert "WRONG" not in proc.stdout and "not implemented" not in proc.stdout, proc.stdout[-3000:]
+    # Its first line names the labkit tree the driver and every rank run.
+    assert proc.stdout.splitlines()[0] == f"labkit from {ROOT} (reference solutions)", proc.stdout[:500]
 
 
 def test_a_script_runs_under_torchrun():
@@ -39,3 +41,73 @@ def test_a_script_runs_under_torchrun():
     proc = run(str(torchrun), "--standalone", "--nproc-per-node", "2", str(ROOT / "labs" / "02_ddp.py"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DDP, buckets               ok" in proc.stdout, proc.stdout
+
+
+# ----------------------------------------------------------------------------- sizes, up front
+
+from labkit.course.labscript import WORLD_SIZES, lab_arguments, world_size_error  # noqa: E402
+
+
+def refuse(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "TORCHELASTIC_RUN_ID")}
+    return subprocess.run([sys.executable, str(ROOT / "labs" / script), *args], cwd=ROOT,
+                          env=dict(base, PYTHONPATH=str(ROOT), **env), capture_output=True, text=True, timeout=300)
+
+
+def test_every_lab_script_has_its_world_sizes_written_down():
+    assert {p.name[:2] for p in SCRIPTS} == set(WORLD_SIZES), "labkit/course/labscript.py WORLD_SIZES"
+    for lab, sizes in WORLD_SIZES.items():
+        text = lab_arguments("Lab.", lab).format_help()
+        assert "this lab runs on" in " ".join(text.split()), f"lab {lab}: --help does not say its sizes"
+        assert world_size_error(lab, 0) and world_size_error(lab, -1), f"lab {lab} accepts 0 ranks"
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--world-size", "0"], {}, "--world-size 0 is not one of them"),
+    (["--world-size", "3"], {}, "--world-size 3 is not one of them"),
+    ([], dict(WORLD_SIZE="3", RANK="0"), "WORLD_SIZE 3 is not one of them"),   # as torchrun's rank 0 sees it
+], ids=["zero", "three", "torchrun"])
+def test_a_size_the_lab_cannot_take_is_one_sentence_and_exit_2_before_any_rank(args, env, expected):
+    number = "00" if "0" in args else next(lab for lab, sizes in WORLD_SIZES.items() if not sizes.accepts(3))
+    proc = refuse(next(p.name for p in SCRIPTS if p.name.startswith(number)), *args, **env)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0] and "runs on" in lines[0], proc.stderr
+
+
+def test_help_lists_the_sizes():
+    proc = refuse("10_moe.py", "--help")
+    assert proc.returncode == 0 and WORLD_SIZES["10"].describe().split(" (")[0] in " ".join(proc.stdout.split()), proc.stdout
+
+
+# ----------------------------------------------------------------------------- 1 to 16 ranks
+
+EVERY_LAB_TAKES = (1, 2, 4, 8, 16)   # one GPU, one node of 8, two nodes of 8
+TWO_OR_MORE = {"13"}                 # RPC: a server and at least one trainer
+
+
+@pytest.mark.parametrize("lab", sorted(WORLD_SIZES))
+def test_every_lab_takes_one_node_and_two_nodes_of_8(lab):
+    # What the validator says, before any process starts (a real run at 16 is the GPU suite's).
+    wanted = [n for n in EVERY_LAB_TAKES if not (lab in TWO_OR_MORE and n == 1)]
+    refused = [n for n in wanted if world_size_error(lab, n)]
+    assert not refused, f"lab {lab} refuses {refused}: {world_size_error(lab, refused[0])}"
+    parsed = lab_arguments("Lab.", lab).parse_args(["--world-size", "16"])   # exits 2 if refused
+    assert parsed.world_size == 16
+
+
+def test_the_readme_table_lists_what_each_lab_takes():
+    readme = (ROOT / "README.md").read_text()
+    for path in SCRIPTS:
+        takes = WORLD_SIZES[path.name[:2]].describe().split(" (")[0]
+        assert f"| `labs/{path.name}` | {takes} |" in readme, f"README's size table: {path.name} runs on {takes}"
+
+
+@pytest.mark.skipif(os.environ.get("LABKIT_SLOW") != "1",
+                    reason="8 ranks of every lab: minutes each on a laptop; set LABKIT_SLOW=1 to run")
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
+def test_the_script_passes_its_checks_on_eight_ranks(script):
+    proc = run(sys.executable, str(script), "--world-size", "8", "--timeout", "1800", timeout=3600)
+    assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert "WRONG" not in proc.stdout and "not implemented" not in proc.stdout, proc.stdout[-3000:]

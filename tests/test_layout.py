@@ -12,6 +12,7 @@ imports has no cycle outside the course machinery.
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -149,3 +150,18 @@ def test_importing_the_oracles_costs_nothing_beyond_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent))).stdout
     assert out.strip() == "[]", f"importing labkit.oracles imported {out.strip()} beyond torch"
+
+
+def test_the_conda_environments_install_the_pinned_set_and_the_cpu_one_pins_torch_alike():
+    """environment.yml and environment-cpu.yml install the package (so pyproject.toml's pins);
+    the CPU variant names torch at pyproject's version, from PyTorch's CPU index."""
+    import tomllib
+    pins = {re.split(r"[=<>]", d)[0]: d for d in tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["dependencies"]}
+    torch_pin = pins["torch"].split("==")[1]
+    for name in ("environment.yml", "environment-cpu.yml"):
+        lines = [ln.strip() for ln in (PACKAGE.parent / name).read_text().splitlines() if not ln.lstrip().startswith("#")]
+        assert "- python=3.11" in lines and "- -e ." in lines, f"{name}: python 3.11 and `-e .` (the pinned set)"
+        assert f"conda env create -f {name}" in (PACKAGE.parent / "README.md").read_text(), f"the README does not mention {name}"
+    cpu = [ln.strip() for ln in (PACKAGE.parent / "environment-cpu.yml").read_text().splitlines()]
+    assert f"- torch=={torch_pin}+cpu" in cpu, f"environment-cpu.yml: torch {torch_pin}+cpu (pyproject: {pins['torch']})"
+    assert "- --extra-index-url https://download.pytorch.org/whl/cpu" in cpu

@@ -309,3 +309,22 @@ def test_wrapped_optimizer_state_is_counted_through_the_inner_optimizer():
     import labkit
     for counted, inner in labkit.launch(zero_redundancy_state_bytes, 2):
         assert counted == inner > 0
+
+
+def test_saved_peak_follows_saved_tensors_through_backward():
+    """SavedPeak: x -> x * w -> tanh saves x (mul's other operand) and tanh's output: 2 storages at the
+    end of forward, none after backward; w, a parameter, is left out; a view counts with its base."""
+    from labkit.memory import SavedPeak
+    lin = nn.Linear(8, 8, bias=False)
+    w = lin.weight
+    x = torch.randn(4, 8, requires_grad=True)
+    peak = SavedPeak(lin)
+    with peak.hooks():
+        y = (x @ w.t()).tanh()
+        y2 = y[:, :4].exp()  # exp saves its output (a new storage); the view y[:, :4] is not saved
+        at_end = peak.live_bytes()
+        (y.sum() + y2.sum()).backward()
+    assert at_end == x.nbytes + y.nbytes + y2.nbytes, at_end
+    assert peak.peak == at_end
+    del y, y2
+    assert peak.live_bytes() == x.nbytes  # the test still holds x; the graph's saved outputs are gone

@@ -59,10 +59,7 @@ def scratch(tmp_path_factory) -> dict:
         shutil.copytree(ROOT, clone, ignore=shutil.ignore_patterns(".venv", "__pycache__", "*.egg-info"))
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    # A plain path line: the packages are visible, this venv's own .pth files (labkit's) are not.
-    Path(site, "parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    see_these_packages(venv)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env['PATH']}", VIRTUAL_ENV=str(venv),
                PIP_DISABLE_PIP_VERSION_CHECK="1")
@@ -73,15 +70,34 @@ def scratch(tmp_path_factory) -> dict:
     return dict(base=base, clone=clone, env=env)
 
 
-def run_block(marker: str, cwd: Path, env: dict) -> list[tuple[str, subprocess.CompletedProcess]]:
-    """Each line in one bash session (a `cd` carries over); the output of every line."""
-    results, here = [], cwd
+def run_block(marker: str, cwd: Path, env: dict) -> tuple[list[tuple[str, subprocess.CompletedProcess]], dict]:
+    """The lines as one bash session would run them (a `cd` and an activated environment carry
+    over); the output of every line, and the environment after the last.
+
+    A virtual environment a line creates (the workspace's own) is given this one's packages,
+    as the scratch venv is, so that its `pip install -e .` installs only labkit."""
+    results, here, env = [], cwd, dict(env)
+    state = cwd.parent / ".state"
     for line in readme_block(marker):
-        script = f"cd {here}\n{line}\nstatus=$?\npwd > {cwd.parent}/.pwd\nexit $status\n"
+        script = (f"cd {here}\n{line}\nstatus=$?\npwd > {state}.pwd\nenv -0 > {state}.env\n"
+                  f"exit $status\n")
         proc = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=900)
-        here = Path((cwd.parent / ".pwd").read_text().strip())
+        here = Path(Path(f"{state}.pwd").read_text().strip())
+        env = dict(item.split("=", 1) for item in Path(f"{state}.env").read_text().split("\0") if "=" in item)
+        for key in ("_", "SHLVL", "OLDPWD", "PWD"):
+            env.pop(key, None)
+        venv = here / ".venv"
+        if (venv / "pyvenv.cfg").exists() and not list(venv.glob("lib/python*/site-packages/parent_env.pth")):
+            see_these_packages(venv)
         results.append((line, proc))
-    return results
+    return results, env
+
+
+def see_these_packages(venv: Path) -> None:
+    """A plain path line: this venv's packages are visible there, its own .pth files (labkit's) are not."""
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "parent_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
 def chapter_points(tree: Path, module: str) -> float:
@@ -91,12 +107,13 @@ def chapter_points(tree: Path, module: str) -> float:
 
 
 def test_the_learner_path_works_as_written(scratch):
-    results = run_block("learner", scratch["clone"], scratch["env"])
+    results, learner_env = run_block("learner", scratch["clone"], scratch["env"])
     out = {line.split("#")[0].strip(): proc for line, proc in results}
     workspace = scratch["base"] / "my-labs"
     assert out["labkit workspace ../my-labs"].returncode == 0, out["labkit workspace ../my-labs"].stderr
-    install = out["cd ../my-labs && pip install -e ."]
-    assert install.returncode == 0, install.stdout[-2000:] + install.stderr[-2000:]
+    for line, proc in results[1:3]:   # the workspace's own environment, and labkit installed in it
+        assert proc.returncode == 0, line + "\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert learner_env["VIRTUAL_ENV"] == str(workspace / ".venv"), learner_env.get("VIRTUAL_ENV")
     tasks = out["labkit tasks"]
     assert tasks.returncode == 0 and f"exercises in {workspace} (learner workspace)" in tasks.stdout, tasks.stderr
     assert "collectives.reduce_scatter" in tasks.stdout and "labkit/collectives.py:" in tasks.stdout
@@ -110,15 +127,19 @@ def test_the_learner_path_works_as_written(scratch):
     # the notebooks' `import labkit` is the workspace's (pip install -e . pointed it there).
     shutil.copy(ROOT / "labkit" / "collectives.py", workspace / "labkit" / "collectives.py")
     line = next(l for l in readme_block("learner") if "grade collectives.reduce_scatter" in l)
-    again = subprocess.run(["bash", "-c", line], cwd=workspace, env=scratch["env"], capture_output=True, text=True)
+    again = subprocess.run(["bash", "-c", line], cwd=workspace, env=learner_env, capture_output=True, text=True)
     assert again.returncode == 0 and "4/4" in again.stdout, again.stdout + again.stderr
     where = subprocess.run(["python", "-c", "import labkit; print(labkit.__file__)"], cwd=workspace / "labs",
-                           env=scratch["env"], capture_output=True, text=True)
+                           env=learner_env, capture_output=True, text=True)
     assert where.stdout.strip() == str(workspace / "labkit" / "__init__.py"), where.stdout + where.stderr
+    # The clone's environment still means the clone: switching back is activating it again.
+    back = subprocess.run(["python", "-c", "import labkit; print(labkit.__file__)"], cwd=scratch["clone"] / "labs",
+                          env=scratch["env"], capture_output=True, text=True)
+    assert back.stdout.strip() == str(scratch["clone"] / "labkit" / "__init__.py"), back.stdout + back.stderr
 
 
 def test_the_instructor_path_works_as_written(scratch):
-    results = run_block("instructor", scratch["clone"], scratch["env"])
+    results, _ = run_block("instructor", scratch["clone"], scratch["env"])
     for line, proc in results:
         assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
     base = scratch["base"]

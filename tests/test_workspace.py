@@ -167,7 +167,7 @@ def test_a_task_that_needs_another_chapters_stub_says_so_first(student, tmp_path
     assert proc.returncode == 1, proc.stdout + proc.stderr
     report = proc.stdout[proc.stdout.index("\n\n"):].strip().splitlines()
     assert re.fullmatch(r"NEEDS tp\.\w+: sp\.megatron uses your tp\.\w+ \(labkit/tp\.py:\d+ in \w+\), "
-                        r"still a stub: grade tp first", report[0]), proc.stdout
+                        r"still a stub: implement tp\.\w+ first", report[0]), proc.stdout
 
 
 EXERCISE_USE = re.compile(r"labkit[./](?:" + "|".join(grading.CHAPTERS.values()) + r")\b"

@@ -60,11 +60,14 @@ def _line(where: str) -> int:
     return int(where.rsplit(":", 1)[1]) if where.count(":") else 10**9
 
 
-def static_points(root: Path) -> dict[str, float | None]:
-    """Task -> points, from the grading tests' decorators (see module docstring)."""
+def static_points(root: Path, visible: bool = True, hidden: bool = True) -> dict[str, float | None]:
+    """Task -> points, from the grading tests' decorators (see module docstring); ``hidden``:
+    count tests/grading/hidden/ (left out of learner workspaces), ``visible``: the others."""
     grading = root / "tests" / "grading"
     points: dict[str, float | None] = {}
-    for path in sorted(grading.glob("test_*.py")) + sorted((grading / "hidden").glob("test_*.py")):
+    paths = (sorted(grading.glob("test_*.py")) if visible else []) + \
+        (sorted((grading / "hidden").glob("test_*.py")) if hidden else [])
+    for path in paths:
         tree = ast.parse(path.read_text())
         constants = _module_constants(tree)
         for node in tree.body:

@@ -1,4 +1,4 @@
-"""The ``labkit`` command: grade, tasks, workspace, autograder, bench, doctor.
+"""The ``labkit`` command: grade, coverage, tasks, workspace, autograder, mutate, bench, doctor.
 
 Every command works on the course tree you stand in (a clone or a learner workspace; the
 nearest parent folder with ``labkit/``, ``tests/grading/`` and ``pyproject.toml``), or the
@@ -29,8 +29,22 @@ def tree_label(root: Path) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
+def _writable_file(path: str) -> None:
+    """ValueError unless ``path`` can be written (checked before grading, not after)."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ValueError(f"--json {path} is a folder; name a file in it (e.g. {target / 'results.json'})")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"--json {path}: the folder {folder} does not exist; create it or pick another path")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"--json {path}: no permission to write there")
+
+
 def cmd_grade(args, root: Path) -> int:
-    chapters, tasks = grading.split_selection(args.selection)
+    chapters, tasks = grading.resolve_selection(args.selection, root)   # exit 2 on a bad name, at once
+    if args.json:
+        _writable_file(args.json)
     files = grading.grading_files(chapters, root)
     print(f"labkit grade: grading {tree_label(root)}")
     print(f"  tests: {', '.join(str(f.relative_to(root)) for f in files)}"
@@ -43,14 +57,45 @@ def cmd_grade(args, root: Path) -> int:
         print()
         print(grading.failure_report(records))
         print("\n(labkit grade --verbose shows full tracebacks and every rank's stack)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(grading.gradescope_results(records), indent=2) + "\n")
-        print(f"\nwrote {args.json}")
     scores = grading.score_by_task(records)
     print()
-    print(grading.format_table(scores))
+    print(grading.format_table(scores), flush=True)   # first: nothing after it can lose it
+    status = 0 if scores and all(s.score == s.max_score for s in scores) else 1
+    if args.json:
+        try:
+            Path(args.json).expanduser().write_text(json.dumps(grading.gradescope_results(records), indent=2) + "\n")
+            print(f"wrote {args.json}")
+        except OSError as error:
+            print(f"labkit grade: could not write {args.json}: {error.strerror or error}", file=sys.stderr)
+            status = 2
     print(f"graded: {tree_label(root)}")
-    return 0 if scores and all(s.score == s.max_score for s in scores) else 1
+    return status
+
+
+def cmd_coverage(args, root: Path) -> int:
+    import tempfile
+
+    from labkit.course import coverage
+    if workspace.is_student_workspace(root):
+        raise ValueError("coverage measures the reference solutions: run it in a clone, not a workspace")
+    chapters, tasks = grading.split_selection(args.selection)
+    files = grading.grading_files(chapters, root)
+    modules = {f.stem.removeprefix("test_") for f in files}
+    wanted = tasks or sorted((t for t in grading.known_tasks(root) if t.split(".")[0] in modules),
+                             key=grading.task_order)
+    print(f"labkit coverage: the graded tests of {', '.join(wanted)} on {tree_label(root)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="labkit-coverage-") as folder:
+        env = {k: v for k, v in os.environ.items() if k != coverage.OWNER_ENV}
+        env[coverage.DIR_ENV] = folder
+        extra = ["-k", args.k] if args.k else []
+        records, _ = grading.run_tests(files, root, extra, tasks, env=env)
+        results, errors = coverage.measure(folder, root, wanted)
+    failed = [r for r in records if r["outcome"] == "failed"]
+    print()
+    print(coverage.format_report(results, errors))
+    if failed:
+        print(f"{len(failed)} graded test(s) failed, so the coverage above is partial: labkit grade says why")
+    return 0 if not failed and not errors and all(r.complete for r in results) else 1
 
 
 def cmd_tasks(args, root: Path) -> int:
@@ -61,6 +106,15 @@ def cmd_tasks(args, root: Path) -> int:
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
     print(catalog.format_tasks(infos))
     print("points: a task earns them only when all of its tests pass, at every world size")
+    hidden = {t: p for t, p in catalog.static_points(root, visible=False).items() if p}
+    total = sum(t.points or 0 for t in infos)
+    if hidden:
+        print(f"total {total:g} points, of which {sum(hidden.values()):g} from hidden tests "
+              f"(tests/grading/hidden/: {', '.join(sorted(hidden))}); `labkit grade` and the autograder "
+              "count them, learner workspaces do not have them")
+    else:
+        print(f"total {total:g} points in this tree; an autograder built from the course's clone may add "
+              "hidden tests (its tests/grading/hidden/), so a course's total can be higher than this")
     return 0
 
 
@@ -88,18 +142,32 @@ def cmd_doctor(args, root: Path | None) -> int:
 
 def cmd_bench(args, root: Path | None) -> int:
     from labkit.course import bench
+    from labkit.course.bench.runner import FAILED, SIZES
     if args.list:
+        width = max(map(len, bench.ROWS)) + 2
         for name, fn in bench.ROWS.items():
-            print(f"{name:<28} {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+            doc = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+            sizes = SIZES.get(name)
+            fits = f"  [ranks: {', '.join(str(n) for n in range(1, 17) if sizes[0](n))}]" if sizes else ""
+            print(f"{name:<{width}}{doc}{fits}")
         return 0
+    if args.world_size is not None and args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size}: a world size is at least 1")
     if root is not None:
         print(f"labkit bench: the implementations of {tree_label(root)}", flush=True)
     options = {k: v for k, v in (("repeats", args.repeats), ("world_size", args.world_size)) if v}
-    print(bench.format_table(bench.run(args.rows, **options)))
-    return 0
+    results = bench.run(args.rows, **options)
+    print(bench.format_table(results))
+    return 1 if any(isinstance(r, str) and f": {FAILED} " in r for r in results) else 0
 
 
 # ----------------------------------------------------------------------------- parser
+
+
+def cmd_mutate(args, root: Path) -> int:
+    from labkit.course import automut
+    return automut.run(root, args.selection, sample=args.sample, seed=args.seed, jobs=args.jobs,
+                       timeout=args.timeout, batch=args.batch, list_only=args.list, ids=args.id)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,11 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     grade = sub.add_parser("grade", help="run the graded tests and print points per task")
     grade.add_argument("selection", nargs="*", metavar="chapter|task",
-                       help="chapter numbers or names (00, ddp) or task ids (ddp.bucketed); default: all")
+                       help="chapters by number, module, title or lab name (12, recompute, memory, "
+                            "12_memory) or task ids (ddp.bucketed); default: all")
     grade.add_argument("--json", metavar="PATH", help="also write Gradescope's results.json here")
     grade.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
     grade.add_argument("--verbose", "-v", action="store_true", help="pytest's full output and tracebacks")
     grade.set_defaults(run=cmd_grade)
+
+    cov = sub.add_parser("coverage", help="lines and branches of each task's solution regions its own tests run")
+    cov.add_argument("selection", nargs="*", metavar="chapter|task",
+                     help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    cov.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
+    cov.set_defaults(run=cmd_coverage)
 
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
     tasks.set_defaults(run=cmd_tasks)
@@ -129,6 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--timeout", type=float, default=60, help="seconds per graded launch")
     ag.set_defaults(run=cmd_autograder)
 
+    mutate = sub.add_parser("mutate", help="grade mechanical mutations of every solution region; print survivors")
+    mutate.add_argument("selection", nargs="*", metavar="chapter|task",
+                        help="chapter numbers or names (10, moe) or task ids (moe.router); default: all")
+    mutate.add_argument("--sample", type=int, metavar="N", help="only N mutants per task, at random")
+    mutate.add_argument("--seed", type=int, default=0, help="seed of --sample")
+    mutate.add_argument("--jobs", "-j", type=int, default=2, help="pytest processes at once")
+    mutate.add_argument("--timeout", type=float, default=600,
+                        help="seconds per mutant; one that takes longer counts as killed (and is named)")
+    mutate.add_argument("--batch", type=int, default=8, help="mutants of one task per pytest process")
+    mutate.add_argument("--id", action="append", default=[], metavar="ID",
+                        help="only this mutant (<task>/<op>/<hash>, as printed; repeatable)")
+    mutate.add_argument("--list", action="store_true", help="only list the mutants")
+    mutate.set_defaults(run=cmd_mutate)
+
     doctor = sub.add_parser("doctor", help="versions, GPUs, the backend launch picks, and a measured all-reduce")
     doctor.add_argument("--world-size", type=int, help="ranks for the measurement (default: GPUs, or 2)")
     doctor.add_argument("--megabytes", type=float, default=16, help="message size")
@@ -136,18 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--no-run", action="store_true", help="only the facts; start no process")
     doctor.set_defaults(run=cmd_doctor, outside_ok=True)
 
-    bench = sub.add_parser("bench", help="time course implementations against PyTorch built-ins")
-    bench.add_argument("rows", nargs="*", help="rows to run (default: all)")
-    bench.add_argument("--repeats", type=int, help="timed repetitions per side")
-    bench.add_argument("--world-size", type=int, help="ranks")
-    bench.add_argument("--list", action="store_true", help="list the rows and exit")
+    bench = sub.add_parser(
+        "bench", help="time course implementations against PyTorch built-ins",
+        description="Each row times a course implementation against the PyTorch built-in in one launch, "
+                    "interleaved, and prints medians, ours / torch, and the bytes one rank sent next to "
+                    "the formula; an indented line under a row holds its own figures, explained under "
+                    "the table.")
+    bench.add_argument("rows", nargs="*", help="rows to run (default: all; --list names them)")
+    bench.add_argument("--repeats", type=int, metavar="N",
+                       help="timed repetitions per side (default: each row's own, 5 to 51)")
+    bench.add_argument("--world-size", type=int, metavar="N",
+                       help="ranks for every row (default: each row's own, mostly 2); a row that cannot "
+                            "take N is skipped with a line saying why")
+    bench.add_argument("--list", action="store_true", help="list the rows, and the sizes each takes, and exit")
     bench.set_defaults(run=cmd_bench, outside_ok=True)
     return parser
 
 
 def _reexec_on(root: Path, argv: list[str]) -> None:
     """Run this command again with ``root``'s labkit first on the path (never returns)."""
-    env = dict(os.environ, **{REEXEC_ENV: str(root)})
+    env = dict(os.environ, **{REEXEC_ENV: str(root), REEXEC_ENV + "_FROM": str(workspace.package_dir().parent)})
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(root), env.get("PYTHONPATH", "")] if p)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "labkit.course.cli", *argv], env)
@@ -171,6 +268,10 @@ def main(argv=None) -> int:
             print(f"labkit {args.command}: could not import labkit from {root}", file=sys.stderr)
             return 2
         _reexec_on(root, argv)
+    installed = os.environ.get(REEXEC_ENV + "_FROM")
+    if root is not None and os.environ.get(REEXEC_ENV) == str(root) and installed and installed != str(root):
+        print(f"labkit {args.command}: using {root}'s labkit, the tree you are in "
+              f"(this environment's `import labkit` is {installed}'s)", flush=True)
     try:
         return args.run(args, root)
     except (ValueError, FileExistsError, RuntimeError) as error:

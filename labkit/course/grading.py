@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from labkit.course import workspace
-from labkit.course.chapters import CHAPTERS  # noqa: F401 - number -> module, re-exported
+from labkit.course.chapters import CHAPTERS, chapter_module, chapter_names  # noqa: F401 - CHAPTERS re-exported
 
 HIDDEN_DIR = "hidden"  # tests/grading/hidden/: graded, left out of learner workspaces
 OUTPUT_LIMIT = 4000    # characters of failure text kept per test in results.json
@@ -205,8 +205,9 @@ def pytest_generate_tests(metafunc):
 
 def _mutants(config) -> list:
     if not hasattr(config, "_labkit_mutants"):
-        from labkit.course import mutants
-        found = mutants.load(Path(str(config.rootpath)))
+        from labkit.course import automut, mutants
+        generated = os.environ.get(automut.MUTANTS_ENV)   # labkit mutate's, instead of tests/mutants
+        found = automut.load_file(generated) if generated else mutants.load(Path(str(config.rootpath)))
         wanted = set(config.getoption("--mutant"))
         unknown = wanted - {m.id for m in found}
         if unknown:
@@ -388,12 +389,41 @@ def grading_files(chapters: list[str], root: Path) -> list[Path]:
     if chapters:
         modules = []
         for name in chapters:
-            module = CHAPTERS.get(name.zfill(2) if name.isdigit() else "", name)
+            module = chapter_module(name) or name
             if module not in available:
                 raise ValueError(f"no graded chapter {name!r}; available: {', '.join(available)}")
             if module not in modules:
                 modules.append(module)
     return [f for m in modules for f in (available[m], hidden.get(m)) if f is not None]
+
+
+def resolve_selection(names: list[str], root: Path) -> tuple[list[str], list[str]]:
+    """``labkit grade`` arguments, every one checked before anything runs: (chapter modules,
+    task ids). A chapter may be named by number, module, title or lab (``12``, ``recompute``,
+    ``memory``, ``12_memory``); anything else raises ValueError with a did-you-mean."""
+    known = known_tasks(root)
+    chapters, tasks = [], []
+    for name in names:
+        module = chapter_module(name)
+        if module is None and name in known:
+            tasks.append(name)
+            module = name.split(".")[0]
+        if module is None:
+            raise ValueError(unknown_selection(name, known))
+        if module not in chapters:
+            chapters.append(module)
+    return chapters, tasks
+
+
+def unknown_selection(name: str, known: set[str]) -> str:
+    """One sentence for a name that is neither a chapter nor a task, with the closest ones."""
+    import difflib
+    candidates = sorted(known) if "." in name else [*CHAPTERS.values(), *sorted(chapter_names()), *sorted(known)]
+    close = list(dict.fromkeys(difflib.get_close_matches(name.lower(), candidates, n=2, cutoff=0.75)))
+    kind = "task" if "." in name else "chapter or task"
+    hint = f"did you mean {' or '.join(close)}? " if close else ""
+    chapters = ", ".join(f"{n} {m}" for n, m in CHAPTERS.items())
+    return (f"no {kind} {name!r}; {hint}(`labkit tasks` lists every task id; chapters: {chapters})")
 
 
 def split_selection(names: list[str]) -> tuple[list[str], list[str]]:
@@ -502,8 +532,8 @@ def stub_dependency(record: dict) -> str | None:
 
 
 def failure_report(records: list[dict]) -> str:
-    """Every failure, briefly: first the tasks that wait on another task's stub (grade that
-    one first), then one line per task still a stub, then one block per other failure."""
+    """Every failure, briefly: first the tasks that wait on another task's stub (implement
+    that one first), then one line per task still a stub, then one block per other failure."""
     failed = [r for r in records if r["outcome"] != "passed"]
     stubs: dict[str, list[dict]] = defaultdict(list)
     needs: dict[str, tuple[str, str]] = {}
@@ -517,7 +547,7 @@ def failure_report(records: list[dict]) -> str:
             stubs[r["task"]].append(r)
         else:
             blocks.append(failure_block(r))
-    lines = [f"NEEDS {other}: {name} uses your {other}{where}, still a stub: grade {other.split('.')[0]} first"
+    lines = [f"NEEDS {other}: {name} uses your {other}{where}, still a stub: implement {other} first"
              for name, (other, where) in needs.items()]
     for name, rs in stubs.items():
         where = rs[0]["frame"].split("\n")[0] if rs[0].get("frame") else ""

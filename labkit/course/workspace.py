@@ -25,9 +25,9 @@ MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
 COPIED = ["README.md", "ARCHITECTURE.md", "pyproject.toml", "environment.yml", ".gitignore",
           "labkit", "chapters", "labs", "tests"]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
-# What a learner never gets: hidden graded tests (the autograder bundle adds them back) and
-# the grader's mutants (they quote the solutions).
-PRIVATE = ("tests/grading/hidden", "tests/mutants")
+# What a learner never gets: hidden graded tests (the autograder bundle adds them back), and
+# the grader's mutants and coverage exclusions (they quote the solutions).
+PRIVATE = ("tests/grading/hidden", "tests/mutants", "tests/coverage_exclusions.txt")
 
 
 def _ignore(root: Path):

@@ -305,14 +305,18 @@ class _RankServer:
     _lock = threading.Lock()
 
     def __init__(self):
-        env = dict(os.environ, PYTHONPATH=_caller_path())
+        env = dict(os.environ, PYTHONPATH=_caller_path(), LABKIT_RANK_SERVER="1")
         # OpenMP threads that spin while they wait steal the cores from the other ranks: on a
         # busy 2-core machine a tiny GPT step took 10x longer with 2 spinning threads. The
         # ranks inherit this from the server, which loads torch (and OpenMP) once.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.owner = os.getpid()
+        # Not ``python -m labkit.runtime.rankserver``: -m puts the working directory first on
+        # the path, so from another course tree's root the ranks would import that tree's
+        # labkit while this process runs its own. The server imports labkit from the tree
+        # this process imported it from, and refuses to start otherwise.
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit.runtime.rankserver"], env=env, stdin=subprocess.PIPE,
+            [sys.executable, "-c", _SERVER_BOOT, _labkit_tree()], env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, start_new_session=True,  # survives the notebook's Ctrl-C
         )
 
@@ -335,6 +339,17 @@ class _RankServer:
         if not reply:
             raise LaunchError(f"the rank server died (status {self.proc.wait()}) before starting a rank")
         return json.loads(reply)["pid"]
+
+
+# sys.argv[1]: the folder holding the caller's labkit package. It replaces the '' that -c
+# puts first on the path (the working directory), so labkit resolves to the caller's tree.
+_SERVER_BOOT = ("import sys; sys.path[0] = sys.argv[1]; "
+                "from labkit.runtime import rankserver; rankserver.main(sys.argv[1])")
+
+
+def _labkit_tree() -> str:
+    """The folder that holds the ``labkit`` package this process imported."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _caller_path() -> str:

@@ -4,6 +4,10 @@ Starting a Python process and importing torch takes seconds; forking one that al
 torch loaded takes milliseconds, so every launch after the first is nearly free. Each
 caller process (a notebook kernel, a pytest run) gets its own server; it dies with it.
 
+Started by ``labkit.runtime.launcher`` with the caller's labkit tree first on the path (not
+with ``python -m``, which would put the working directory first), so the ranks run the same
+labkit as their caller, whichever tree the caller stands in.
+
 Protocol on stdin/stdout, one JSON object per line:
     request  {"spec": <path of the rank's spec file>}   reply  {"pid": <the rank's pid>}
 When a rank exits, its exit status is written to the ``exit_file`` named in its spec.
@@ -13,6 +17,7 @@ No threads here: forking a process that has other threads running is unsafe.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -26,6 +31,8 @@ from labkit.runtime import deadlock, worker  # imports torch: the whole point of
 PRELOAD = ["torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp",
            "torch.distributed.optim", "torch.distributed.pipelining", "torch.nn.parallel",
            "labkit.comm", "labkit.memory", "labkit.check"]
+if os.environ.get("LABKIT_COVERAGE") and importlib.util.find_spec("coverage"):
+    PRELOAD += ["coverage", "labkit.runtime.taskcov"]  # a measured run's ranks record (labkit.runtime.taskcov)
 
 
 def _reap(children: dict[int, str]) -> None:
@@ -54,7 +61,14 @@ def _fork_rank(spec_path: str) -> int:
     return pid
 
 
-def main() -> None:
+def main(tree: str | None = None) -> None:
+    """Serve the caller; ``tree``: the folder holding the caller's labkit (ours must be it)."""
+    if tree is not None:
+        mine = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        if os.path.realpath(mine) != os.path.realpath(tree):
+            sys.stderr.write(f"labkit rank server: imported labkit from {mine}, but its caller "
+                             f"uses {tree}'s; refusing to run ranks on another tree's code\n")
+            sys.exit(3)
     # No PR_SET_PDEATHSIG here: it fires when the *thread* that started us exits, and a
     # caller may launch from a short-lived thread. The loop below watches the caller instead.
     caller = os.getppid()

@@ -34,7 +34,19 @@ hook after a backward (given code, checked without communication).
 
 Process groups are partitions of the world (e.g. [0] and [1, 2, 3]): every rank trains in
 its own group, so an implementation that ignores ``process_group`` meets the other group's
-ranks in its collectives and the trace names the wrong group.
+ranks in its collectives and the trace names the wrong group. Where each group-taking
+function is graded on a subgroup (each partition inside one launch of 4 ranks):
+    broadcast_tensors(tensors, group) and DDP(process_group) at init/forward (ddp.broadcast):
+        [0] | [1,2,3], then the 2x2 grid's two axes [0,2] | [1,3] and [0,1] | [2,3]: the source
+        is the group's first rank, which is neither global rank 0 nor "my rank minus my group
+        rank" on a strided group
+    DDP(process_group), per-parameter mode (ddp.per_parameter): halves at 2-4 ([0] | [1,2] at 3)
+    DDP(process_group), buckets and comm hook (ddp.bucketed): [0] | [1,2,3] and [0,2] | [1,3]
+Overlap (event order on the traced timeline, not wall time), where it is checked:
+    ddp.per_parameter: every all-reduce but the last posted before the last gradient is ready,
+        backward compute (outside DDP's hooks) between its post and its wait (world and halves)
+    ddp.bucketed: the same per bucket, on the GPT with 4 KiB buckets (world and subgroups)
+    ddp.no_sync: the synchronising backward after no_sync(), the same
 
 Tests of one task never depend on another's stub being filled in first, except that the
 no_sync test also runs bucketed mode after per-parameter mode.
@@ -101,6 +113,12 @@ def loss_of(kind: str, model, x, y) -> torch.Tensor:
 def halves(n: int) -> list[list[int]]:
     """The world in two groups, [0, n//2) and [n//2, n); the whole world when n == 1."""
     return [list(range(n))] if n == 1 else [list(range(n // 2)), list(range(n // 2, n))]
+
+
+def on_partitions(fn, partitions) -> None:
+    """``fn(partition)`` for each partition of the world in turn, in one launch."""
+    for partition in partitions:
+        fn(partition)
 
 
 def own_group(groups):
@@ -360,7 +378,10 @@ def test_broadcast(world_size):
 def test_broadcast_on_a_subgroup():
     # Ranks 1-3 of 4 share a model, rank 0 has its own: the source of the first is the
     # group's first rank, global rank 1; a broadcast over the world meets rank 0 there.
-    run_graded("ddp.broadcast", one_thread, 4, broadcast_on_rank, [[0], [1, 2, 3]])
+    # Then the 2x2 grid's axes: on [0, 2] | [1, 3] the source of the second is global rank 1,
+    # which "my rank minus my group rank" (right on contiguous groups) misses.
+    run_graded("ddp.broadcast", one_thread, 4, on_partitions, broadcast_on_rank,
+               [[[0], [1, 2, 3]], [[0, 2], [1, 3]], [[0, 1], [2, 3]]])
 
 
 # ----------------------------------------------------------------------------- ddp.per_parameter
@@ -513,8 +534,8 @@ def test_bucketed(world_size):
 
 @task("ddp.bucketed", points=0.5)
 def test_bucketed_on_a_subgroup():
-    # Ranks 1-3 of 4 share a model, rank 0 has its own.
-    run_graded("ddp.bucketed", one_thread, 4, bucketed_on_rank, [[0], [1, 2, 3]])
+    # Ranks 1-3 of 4 share a model, rank 0 has its own; then the strided axis of a 2x2 grid.
+    run_graded("ddp.bucketed", one_thread, 4, on_partitions, bucketed_on_rank, [[[0], [1, 2, 3]], [[0, 2], [1, 3]]])
 
 
 # ----------------------------------------------------------------------------- ddp.no_sync

@@ -22,6 +22,18 @@ Memory: no full parameter outlives its unit's forward, and a unit is freed befor
 gradients are reduce-scattered. Prefetch: each all-gather but the first of forward and of
 backward is posted before the previous unit computes and waited on after it (the timeline
 of post, compute and wait).
+
+Subgroups (``fully_shard(process_group=...)`` is the one group-taking API; the units keep it),
+each in the same launch as the world, at 3 and 4 ranks (``subgroups``): at 4 the 2x2 grid's
+two axes, pairs {0,1},{2,3} and {0,2},{1,3}; at 3 the pair {0,2} beside rank 1 alone in its
+own group (a bystander: it shards over itself and communicates with nobody). The shards are
+the group rank's rows, the traffic names the group's ranks only:
+    fsdp.shard     fully_shard(process_group) cuts the group rank's shard, checked without communication
+    fsdp.forward   all-gathers over the group (forward, and under no_grad)
+    fsdp.backward  5 AdamW steps over each group vs the reference, full traffic signature
+    fsdp.prefetch  the ToyModel over {0,2}/{1,3} (4 ranks) or {0,2}/{1} (3 ranks): overlap of
+                   every prefetched all-gather (post before the previous unit computes, wait
+                   after) and the prefetch order, as on the world
 """
 
 import functools
@@ -105,16 +117,20 @@ def my_part(x, group=None):
     return x[rank * share:(rank + 1) * share]
 
 
-def pair_group():
-    """(group, its global ranks): the ranks in pairs (0, 1), (2, 3), ..., as the data-parallel
-    groups of a mesh (chapter 08). Each pair shards and trains a model on its own: the ranks
-    of a pair split the global batch between them. Every rank creates every group."""
-    mine = None
-    for first in range(0, dist.get_world_size(), 2):
-        ranks = list(range(first, min(first + 2, dist.get_world_size())))
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group, ranks
+PARTITIONS = {4: [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], 3: [[[0, 2], [1]]]}
+
+
+def subgroups() -> list:
+    """[(group, its global ranks)] of this rank, one per partition of ``PARTITIONS`` (none below
+    3 ranks), as the data-parallel groups of a mesh (chapter 08): at 4 both axes of a 2x2 grid,
+    at 3 the pair {0,2} and a bystander {1}. Neither is a prefix of the world, so a group rank
+    taken for a global one (or a global rank for a group one) goes wrong. Each group shards and
+    trains a model on its own: its ranks split the global batch. Every rank creates every group."""
+    mine = []
+    for partition in PARTITIONS.get(dist.get_world_size(), []):
+        made = [dist.new_group(ranks) for ranks in partition]
+        index = next(i for i, ranks in enumerate(partition) if dist.get_rank() in ranks)
+        mine.append((made[index], partition[index]))
     return mine
 
 
@@ -191,10 +207,10 @@ def capture_gathered(model, seen: list):
     return handles
 
 
-def check_shards(task_id: str, kind: str, ref, model, where: str) -> None:
+def check_shards(task_id: str, kind: str, ref, model, where: str, group=None) -> None:
     import torch.nn as nn
     from labkit.memory import param_bytes
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     mine = dict(model.named_parameters())
     theirs = dict(ref.named_parameters())
     assert list(mine) == list(theirs), (f"{task_id}: rank {rank}, {where}: model.parameters() are "
@@ -260,6 +276,14 @@ def check_sharding() -> None:
                            f"{alive} are still alive; keep only the shards")
         if kind != "gpt":
             assert_close(model.scale, ref.scale, "fsdp.shard: the buffer scale must stay as it was")
+    for group, ranks in subgroups():  # the shard of the group rank, of a group of that size
+        ref, model = ToyModel().double(), ToyModel().double()
+        with CommTracer() as tracer:
+            fully_shard(model.frozen, process_group=group)
+            fully_shard(model, process_group=group)
+        where = f"fully_shard(process_group=) over ranks {ranks} (group rank {ranks.index(rank)} of {len(ranks)})"
+        assert_ops(tracer, [], f"fsdp.shard: rank {rank}, toy, {where}: fully_shard must not communicate")
+        check_shards("fsdp.shard", "toy", ref, model, where, group)
 
 
 def forward_on_rank() -> None:
@@ -267,8 +291,7 @@ def forward_on_rank() -> None:
     from labkit.fsdp import full_state_dict
     from labkit.memory import param_bytes
     runs = [("toy", None), ("toy1", None), ("gpt", None)]
-    if dist.get_world_size() > 2:  # the ToyModel sharded over pairs of ranks: group= honoured
-        runs.append(("toy", pair_group()))
+    runs += [("toy", pair) for pair in subgroups()]  # the ToyModel sharded over subgroups: group= honoured
     for kind, (group, ranks) in ((kind, pair or (None, None)) for kind, pair in runs):
         rank, n = dist.get_rank(group), dist.get_world_size(group)
         ref, model, units = build(kind, prefetch=False, process_group=group)
@@ -399,8 +422,8 @@ def backward_on_rank() -> list:
     for kind, options in [("toy", {}), ("toy1", dict(reshard_after_forward=False)), ("gpt", {})]:
         losses[kind] = train_and_check("fsdp.backward", kind, prefetch=False, inspect=check_backward_traffic,
                                        **options)
-    if dist.get_world_size() > 2:  # sharded over pairs of ranks: group= honoured
-        train_and_check("fsdp.backward", "toy", prefetch=False, inspect=check_backward_traffic, pair=pair_group())
+    for pair in subgroups():  # sharded over subgroups: group= honoured
+        train_and_check("fsdp.backward", "toy", prefetch=False, inspect=check_backward_traffic, pair=pair)
     losses["builtin"] = builtin_losses()
     assert_close(torch.tensor(losses["gpt"]), torch.tensor(losses["builtin"]),
                  f"fsdp.backward: rank {dist.get_rank()}: GPT losses vs torch's fully_shard")
@@ -459,6 +482,8 @@ def prefetch_on_rank() -> None:
     one_thread()
     for kind in ["toy", "gpt"]:
         train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order, traced_step=1)
+    for pair in subgroups()[-1:]:  # the strided pairs ({0,2},{1,3} or {0,2},{1}): prefetch over a subgroup
+        train_and_check("fsdp.prefetch", "toy", prefetch=True, inspect=check_prefetch_order, traced_step=1, pair=pair)
 
 
 # ----------------------------------------------------------------------------- tests

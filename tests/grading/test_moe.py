@@ -1,26 +1,64 @@
 """Graded tests for chapter 10: expert parallelism (a mixture-of-experts layer routed by all-to-all).
 
-Every check runs on every rank at world sizes 1, 2 and 4 (1 is a diagnostic) and compares
-with a single-process reference: routing and losses against loops written here, capacity
-against exact fractions and a loop over choices, the layer against one process holding every
-expert (labkit.moe.reference_moe's loop, float64) for outputs, the auxiliary loss, every
-gradient and a 5-step AdamW loss curve, dropless, with capacity and with uneven routing.
-The tracer then checks the technique: the whole trace of a forward and backward is one
-all-to-all of the E int64 counts and four all-to-alls of routed rows (dispatch, combine and
-their reverses in backward), each of max(rows sent, rows received) x H x element size bytes,
-the row counts derived here from the reference routing of every rank's tokens.
+Every task is graded on the whole API it exposes, not only its defaults; each check runs on
+every rank and compares with a single-process reference. Configurations are looped inside
+one launch per world size (1 is a diagnostic; 2, 3 and 4 carry the points).
 
-EP x DP (moe.ep_dp): a 2-layer MoE GPT (labkit.models, GPTConfig(n_experts=4)) trained 5 AdamW
-steps with the learner's EP layer on every grid of the world (4 = 2x2, 4x1, 1x4; 2 = 2x1,
-1x2), dropless, with capacity, and with uneven routing (most tokens choose expert 0, which
-then drops at its capacity), each rank on its slice of the global batch, against one
-process holding every expert that runs the same global batch in the same slices (capacity
-and the load-balancing loss are per routing call) and averages their losses: the global loss
-of every step, every dense parameter and this rank's experts after each step, float64. The
-trace of step 1 is exactly, per MoE layer, the E int64 counts and two all-to-alls in the EP
-group forward, two backward (max(rows sent, received) x H x 8 B each, rows from the
-reference's routing), then one all-reduce per dense gradient over the world and one per
-expert gradient over the DP group (numel x 8 B): EP groups are consecutive ranks.
+moe.router: top-k at k = 1, 2, 3 and E (E = 5 experts, T = 13 tokens: neither divides the
+other) in float64, float32, bfloat16 and float16, even and uneven routing (every token on
+one expert: the others get no choice at all, so ``bincount`` needs its ``minlength``),
+against a float64 reference of the same inputs: logits, softmax, the experts (the k most
+probable, most probable first), the weights (renormalised over the k chosen for k >= 2, the
+chosen probability itself for k = 1, as in Switch: a renormalised top-1 weight is 1 and
+trains no router), the auxiliary loss E sum_e f_e P_e with f normalised by the T k choices,
+the z-loss, every output's dtype, and the gate's gradient from the task loss (non-zero at
+k = 1), from the auxiliary loss (f carries none) and from the z-loss. The z-loss and the
+softmax are also checked on logits large enough that exp overflows (1e3 in float64 and
+float32, 1e3 in bfloat16, 30 in float16).
+
+moe.capacity: ``expert_capacity`` against exact fractions at k = 1, 2, 3 and E, with factors
+that drop and factors that do not, C k T / E an exact integer (no rounding up) and not;
+``keep_mask`` against a loop over choices for k = 1, 2, 3 and E, T = 7, 11, 13 tokens, some
+experts chosen by nobody, at capacities derived from factors 0.5, 1, 2 and None, and exactly
+at the boundary (the fullest expert's count: nothing dropped; one less: one choice dropped).
+
+moe.dispatch: ``AllToAll`` and ``exchange_counts`` on the world and on subgroups (N = 3: the
+pair {0, 1} with rank 2 a bystander; N = 4: the pairs {0, 1}, {2, 3} and the 2x2 grid's
+other axis {0, 2}, {1, 3}), in float64, float32, bfloat16 and float16, with uneven splits (a
+rank that sends nothing, a rank that receives nothing), a non-contiguous input, the
+backward, and exchange_counts with 1, 2 and 3 experts per rank; values are exact (data
+movement); the trace is exactly one all-to-all forward and one backward in that group, of
+max(rows sent, received) x H x element size bytes.
+
+moe.layer: ``ExpertParallelMoE`` on the world and the same subgroups at k = 1, 2, 3 and E,
+dropless, dropping, exactly at capacity, uneven routing (experts with no token, ranks that
+receive no row), each rank with its own token count (5 + 2 x its group rank: divides
+neither E nor N), in float64, float32, bfloat16 and float16, against ``reference_moe`` (one
+process, every expert, the group's tokens) in the same dtype: output, aux, z-loss, routed
+rows and their dtypes, the input's, the gate's (summed over the group) and this rank's
+experts' gradients; at k = 1 the gate's gradient from the task loss alone is non-zero and
+the reference's. The trace of a forward and backward is, in order: the E int64 counts, the
+dispatch and the combine, then both again in backward, every one in the group, the rows'
+bytes max(sent, received) x H x element size from the reference routing. Three steps of
+AdamW, and of momentum SGD with a frozen gate, against the reference's. Bad input raises
+ValueError before any communication.
+
+moe.ep_dp: a 2-layer MoE GPT (labkit.models) trained 3 steps with the learner's EP layer on
+every grid of the world (4 = 2x2, 4x1, 1x4; 3 = 3x1, 1x3; 2 = 2x1, 1x2) in three cases, all
+three on the first grid of each world size and one each, in turn, on the others: k = 2
+dropless with AdamW; k = 1, capacity 1.0, uneven routing (most tokens on expert 0) with
+momentum SGD, a frozen parameter and an unused one (no gradient: no all-reduce); k = 3,
+capacity 1.0 with AdamW. Against
+one process holding every expert that runs the same global batch in the same slices: the
+global loss of every step, every dense parameter and this rank's experts after each step.
+The trace of step 1 is, in order: per MoE layer the counts and two all-to-alls in the EP
+group forward, two per layer backward (last layer first), then one all-reduce per parameter
+with a gradient, in ``model.parameters()`` order, dense over the world and expert over the
+DP group.
+
+Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
+code and the reference (matmuls over other batches, gradients summed over ranks), the
+absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
 """
 
 import copy
@@ -31,65 +69,155 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.check import assert_close
+from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
-WORLD_SIZES = [1, 2, 4]
-HIDDEN, FFN, EXPERTS, TOP_K, BATCH, SEQ = 8, 12, 4, 2, 2, 6
-UNEVEN_SHIFT = 1.0
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def tokens_of(rank: int, salt: int, dtype=torch.float64) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(100 * salt + rank)
-    return torch.randn(BATCH, SEQ, HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+def near(actual, expected, what: str) -> None:
+    """assert_close with labkit.check's tolerance for ``expected``'s dtype, atol raised to
+    rtol x max|expected| (a reordered sum of terms of that size differs by that much)."""
+    rtol, atol = tolerance(expected.dtype)
+    if expected.is_floating_point() and expected.numel():
+        atol = max(atol, rtol * expected.detach().abs().max().double().item())
+    assert_close(actual, expected, what, rtol=rtol, atol=atol)
 
 
-def skewed_gate(gate: torch.Tensor) -> torch.Tensor:
-    """Uneven routing: expert 0's weights lifted along the all-ones direction, so that for tokens
-    shifted by +1 (``UNEVEN_SHIFT``) it takes most of them."""
-    gate = gate.clone()
-    gate[0] += 3.0 * gate.new_ones(gate.shape[1]) / math.sqrt(gate.shape[1])
-    return gate
+def assert_sequence(tracer: CommTracer, want: list, what: str) -> None:
+    """The whole trace, in order, is ``want``."""
+    got = tracer.ops()
+    assert_ops(tracer, want, what)  # says what is extra or missing
+    if list(got) != list(want):
+        lines = "\n".join(f"  #{i}: got {g!r}, want {w!r}" for i, (g, w) in enumerate(zip(got, want)) if g != w)
+        raise AssertionError(f"{what}: the ops are the technique's but in the wrong order\n{lines}")
+
+
+def groups_of_world() -> list:
+    """(name, members, group handle) for the world and its subgroups; every rank creates every
+    group (new_group is collective) but runs only those it belongs to. N = 3: the pair {0, 1}
+    with rank 2 a bystander; N = 4: the pairs {0, 1}, {2, 3} and the 2x2 grid's other axis."""
+    n = dist.get_world_size()
+    out = [("world", list(range(n)), None)]
+    if n == 3:
+        out.append(("pair {0,1} (rank 2 a bystander)", [0, 1], dist.new_group([0, 1])))
+    if n == 4:
+        for name, split in (("pairs {0,1},{2,3}", ([0, 1], [2, 3])), ("grid axis {0,2},{1,3}", ([0, 2], [1, 3]))):
+            handles = [dist.new_group(members) for members in split]
+            for members, handle in zip(split, handles):
+                out.append((f"{name}: group {members}", members, handle))
+    return out
 
 
 # ----------------------------------------------------------------------------- router
 
+R_EXPERTS, R_TOKENS, R_HIDDEN = 5, 13, 6
+LARGE = {torch.float64: 1e3, torch.float32: 3e3, torch.bfloat16: 1e3, torch.float16: 30.0}
+
+
+def ref_softmax(logits: torch.Tensor) -> torch.Tensor:
+    shifted = logits - logits.max(1, keepdim=True).values
+    return shifted.exp() / shifted.exp().sum(1, keepdim=True)
+
+
+def ref_weights(gate64, x64, experts, k):
+    chosen = ref_softmax(x64 @ gate64.t()).gather(1, experts)
+    return chosen / chosen.sum(1, keepdim=True) if k > 1 else chosen
+
+
 def router_on_rank() -> None:
     from labkit.moe import load_balancing_loss, route, router_z_loss
     rank = dist.get_rank()
-    for salt, k in enumerate([1, 2, 3]):
-        x = (tokens_of(rank, salt) + (UNEVEN_SHIFT if salt == 2 else 0.0)).reshape(-1, HIDDEN)
-        gen = torch.Generator().manual_seed(7 + salt)
-        gate = torch.randn(EXPERTS, HIDDEN, generator=gen, dtype=torch.float64)
-        if salt == 2:
-            gate = skewed_gate(gate)
-        gate.requires_grad_(True)
-        experts, weights, probs, logits = route(x, gate, k)
-        what = f"moe.router: rank {rank}, k={k}"
-        ref_logits = torch.einsum("th,eh->te", x, gate)
-        ref_probs = torch.exp(ref_logits - ref_logits.max(1, keepdim=True).values)
-        ref_probs = ref_probs / ref_probs.sum(1, keepdim=True)
-        assert_close(logits, ref_logits, what + ": logits = x W^T")
-        assert_close(probs, ref_probs, what + ": softmax probabilities")
-        order = torch.sort(ref_probs, dim=1, descending=True, stable=True)
-        assert torch.equal(experts, order.indices[:, :k]), what + ": experts must be the k most probable"
-        chosen = order.values[:, :k]
-        assert_close(weights, chosen / chosen.sum(1, keepdim=True), what + ": weights renormalised over the k chosen")
-        aux = load_balancing_loss(probs, experts, EXPERTS)
-        ref_aux = sum(EXPERTS * (experts == e).sum().item() / experts.numel() * ref_probs[:, e].mean()
-                      for e in range(EXPERTS))
-        assert_close(aux, ref_aux, what + ": load-balancing loss E * sum f_e P_e")
+    for dtype in DTYPES:  # logits where exp overflows: logsumexp and softmax must not
+        scale = LARGE[dtype]
+        what = f"moe.router: rank {rank}, {NAMES[dtype]}, logits of about {scale:g} (exp overflows)"
+        gen = torch.Generator().manual_seed(77 + rank)
+        logits = (torch.randn(R_TOKENS, R_EXPERTS, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        logits.requires_grad_(True)
+        assert torch.isinf(logits.double().exp().to(dtype)).any(), "test set-up: exp should overflow"
         z = router_z_loss(logits)
-        ref_z = (ref_logits.exp().sum(1).log() ** 2).mean()
-        assert_close(z, ref_z, what + ": z-loss mean(logsumexp^2)")
-        (aux + z).backward()
-        ref_gate = gate.detach().clone().requires_grad_(True)
-        ref_l = torch.einsum("th,eh->te", x, ref_gate)
-        ref_p = ref_l.softmax(1)
-        f = torch.bincount(experts.reshape(-1), minlength=EXPERTS).double() / experts.numel()
-        (EXPERTS * (f * ref_p.mean(0)).sum() + (torch.logsumexp(ref_l, 1) ** 2).mean()).backward()
-        assert_close(gate.grad, ref_gate.grad, what + ": gate gradient of aux + z (f_e carries no gradient)")
+        l64 = logits.detach().double().requires_grad_(True)
+        ref_z = (torch.logsumexp(l64, 1) ** 2).mean()
+        ref_z.backward()
+        assert z.dtype == dtype and torch.isfinite(z), f"{what}: z-loss must be a finite {dtype}, got {z}"
+        near(z, ref_z.detach().to(dtype), what + ": z-loss")
+        z.backward()
+        near(logits.grad, l64.grad.to(dtype), what + ": z-loss gradient 2 lse softmax / T")
+        if dtype in (torch.float64, torch.float32):  # and route's softmax, k = 1 (a unique top)
+            x = torch.randn(R_TOKENS, R_HIDDEN, generator=gen, dtype=torch.float64)
+            gate = torch.randn(R_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64) * scale / 2
+            experts, weights, probs, logits = route(x.to(dtype), gate.to(dtype), 1)
+            ref_logits = x.to(dtype).double() @ gate.to(dtype).double().t()
+            assert torch.isinf(ref_logits.exp().to(dtype)).any(), "test set-up: exp of the logits should overflow"
+            ref_probs = ref_softmax(ref_logits)
+            near(probs, ref_probs.to(dtype), what + ": route's softmax")
+            assert torch.equal(experts, ref_probs.argmax(1, keepdim=True)), what + ": route's top-1"
+            near(weights, ref_probs.max(1, keepdim=True).values.to(dtype), what + ": route's top-1 weight")
+    configs = [(dtype, k, False) for dtype in DTYPES for k in (1, 2, 3, R_EXPERTS)]
+    configs += [(dtype, k, True) for dtype in (torch.float64, torch.float32) for k in (1, 2)]
+    for salt, (dtype, k, uneven) in enumerate(configs):
+        what = f"moe.router: rank {rank}, {NAMES[dtype]}, k={k}, E={R_EXPERTS}, T={R_TOKENS}" + (
+            ", uneven (every token on expert 0)" if uneven else "")
+        gen = torch.Generator().manual_seed(1000 * rank + salt)
+        x = torch.randn(R_TOKENS, R_HIDDEN, generator=gen, dtype=torch.float64)
+        gate = torch.randn(R_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
+        if uneven:
+            x, gate[0] = x.abs() + 1.0, gate[0].abs() + 3.0
+        x, gate = x.to(dtype), gate.to(dtype).requires_grad_(True)
+        x64, gate64 = x.double(), gate.detach().double()
+        experts, weights, probs, logits = route(x, gate, k)
+        ref_logits = x64 @ gate64.t()
+        ref_probs = ref_softmax(ref_logits)
+        for name, t in (("weights", weights), ("probs", probs), ("logits", logits)):
+            assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
+                f"{what}: {name} must be {dtype} (the dtype of x), got {getattr(t, 'dtype', type(t))}"
+        assert experts.dtype == torch.int64 and experts.shape == (R_TOKENS, k), \
+            f"{what}: experts must be int64 [T, k] = {(R_TOKENS, k)}, got {experts.dtype} {tuple(experts.shape)}"
+        near(logits, ref_logits.to(dtype), what + ": logits = x W^T")
+        near(probs, ref_probs.to(dtype), what + ": softmax probabilities")
+        if dtype in (torch.float64, torch.float32):
+            order = torch.sort(ref_probs, dim=1, descending=True, stable=True).indices[:, :k]
+            assert torch.equal(experts, order), \
+                f"{what}: experts must be the k most probable, most probable first\n got {experts.tolist()}\n want {order.tolist()}"
+        else:  # low precision: near ties may go either way; the choice must be a top-k of your probs, in order
+            mine = probs.detach().double()
+            picked = mine.gather(1, experts)
+            rest = mine.scatter(1, experts, float("-inf")).max(1).values if k < R_EXPERTS else None
+            assert (picked[:, :-1] >= picked[:, 1:]).all(), f"{what}: experts must come most probable first"
+            assert rest is None or (picked[:, -1] >= rest).all(), f"{what}: experts must be the k most probable"
+            assert all(len(set(row)) == k for row in experts.tolist()), f"{what}: k distinct experts per token"
+        want_w = ref_weights(gate64, x64, experts, k)
+        near(weights, want_w.to(dtype), what + (": k = 1 weight = the chosen probability (not renormalised: Switch)"
+                                                if k == 1 else ": weights renormalised over the k chosen"))
+        aux = load_balancing_loss(probs, experts, R_EXPERTS)
+        f = torch.bincount(experts.reshape(-1), minlength=R_EXPERTS).double() / (R_TOKENS * k)
+        ref_aux = R_EXPERTS * (f * ref_probs.mean(0)).sum()
+        assert aux.dtype == dtype and aux.dim() == 0, f"{what}: aux must be a {dtype} scalar, got {aux.dtype} {tuple(aux.shape)}"
+        near(aux, ref_aux.to(dtype), what + ": load-balancing loss E * sum f_e P_e, f_e = count_e / (T k)")
+        z = router_z_loss(logits)
+        ref_z = (torch.logsumexp(ref_logits, 1) ** 2).mean()
+        assert z.dtype == dtype and z.dim() == 0, f"{what}: z-loss must be a {dtype} scalar, got {z.dtype} {tuple(z.shape)}"
+        near(z, ref_z.to(dtype), what + ": z-loss mean(logsumexp^2)")
+        # gradients: the task loss through the weights, the aux loss through P only, the z-loss
+        c = torch.randn(R_TOKENS, k, generator=gen, dtype=torch.float64)
+        task_grad, = torch.autograd.grad((weights * c.to(dtype)).sum(), gate, retain_graph=True)
+        aux_grad, = torch.autograd.grad(aux, gate, retain_graph=True)
+        z_grad, = torch.autograd.grad(z, gate)
+        g = gate64.clone().requires_grad_(True)
+        ref_task, = torch.autograd.grad((ref_weights(g, x64, experts, k) * c).sum(), g)
+        g = gate64.clone().requires_grad_(True)
+        ref_aux_grad, = torch.autograd.grad(R_EXPERTS * (f * ref_softmax(x64 @ g.t()).mean(0)).sum(), g)
+        g = gate64.clone().requires_grad_(True)
+        ref_z_grad, = torch.autograd.grad((torch.logsumexp(x64 @ g.t(), 1) ** 2).mean(), g)
+        if k == 1 and not uneven:
+            assert task_grad.abs().max() > 0, \
+                f"{what}: the router gets no gradient from the task loss (a renormalised top-1 weight is always 1)"
+        near(task_grad, ref_task.to(dtype), what + ": gate gradient of the task loss sum(weights * c)")
+        if k < R_EXPERTS:  # at k = E every f_e is 1/E and the aux loss is the constant 1: its gradient is rounding
+            near(aux_grad, ref_aux_grad.to(dtype), what + ": gate gradient of the aux loss (through P_e only)")
+        near(z_grad, ref_z_grad.to(dtype), what + ": gate gradient of the z-loss")
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -97,166 +225,301 @@ def router_on_rank() -> None:
 def capacity_on_rank() -> None:
     from labkit.moe import expert_capacity, keep_mask
     rank = dist.get_rank()
-    for tokens, experts, k, factor in [(12, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 0.5), (9, 8, 2, 2.0)]:
+    cases = [(12, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 0.5), (9, 8, 2, 2.0), (13, 5, 3, 1.0), (8, 4, 4, 1.0),
+             (10, 4, 3, 0.2), (6, 4, 2, 0.5), (16, 4, 1, 0.25), (20, 8, 2, 1.5), (5, 5, 5, 1.0), (11, 3, 3, 0.75)]
+    for tokens, experts, k, factor in cases:
         want = math.ceil(Fraction(factor) * k * tokens / experts)
         got = expert_capacity(tokens, experts, k, factor)
-        assert got == want, f"moe.capacity: T={tokens}, E={experts}, k={k}, C={factor}: {got}, want ceil(C k T / E) = {want}"
-    assert expert_capacity(12, 4, 2, None) is None, "moe.capacity: capacity_factor=None is dropless (None)"
+        assert isinstance(got, int) and not isinstance(got, bool) and got == want, (
+            f"moe.capacity: T={tokens}, E={experts}, k={k}, C={factor}: {got!r}, want the int ceil(C k T / E) = {want}")
+    for k in (1, 2, 3):
+        assert expert_capacity(12, 4, k, None) is None, f"moe.capacity: k={k}, capacity_factor=None is dropless (None)"
     for bad in (0, -1.0):
         with pytest.raises(ValueError):
             expert_capacity(12, 4, 2, bad)
-    for salt, capacity in enumerate([1, 2, 3, 5, None]):
-        gen = torch.Generator().manual_seed(50 + salt + 10 * rank)
-        choices = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(11)])
-        choices[::2, 0] = 0  # crowd expert 0
-        mask = keep_mask(choices, EXPERTS, capacity)
-        taken, want = [0] * EXPERTS, torch.zeros_like(choices, dtype=torch.bool)
-        for t in range(choices.shape[0]):
-            for j in range(TOP_K):
-                e = choices[t, j].item()
-                if capacity is None or taken[e] < capacity:
-                    taken[e] += 1
-                    want[t, j] = True
-        assert mask.dtype == torch.bool and torch.equal(mask, want), (
-            f"moe.capacity: rank {rank}, capacity {capacity}: keep_mask must keep each expert's first "
-            f"choices in (token, slot) order\n got  {mask.int().tolist()}\n want {want.int().tolist()}")
+    salt = 0
+    for num_experts, k, tokens in [(5, 1, 7), (5, 2, 11), (5, 3, 13), (5, 5, 7), (4, 2, 13), (6, 3, 11)]:
+        used = max(k, num_experts - 2)  # the last experts chosen by nobody (unless k needs them)
+        for factor in (0.5, 1.0, 2.0, None, "fullest", "fullest - 1"):
+            salt += 1
+            gen = torch.Generator().manual_seed(50 + salt + 1000 * rank)
+            choices = torch.stack([torch.randperm(used, generator=gen)[:k] for _ in range(tokens)])
+            choices[::2, 0] = 0  # crowd expert 0 with first choices
+            fullest = torch.bincount(choices.reshape(-1)).max().item()
+            if isinstance(factor, str):
+                capacity = fullest if factor == "fullest" else fullest - 1
+            else:
+                capacity = expert_capacity(tokens, num_experts, k, factor)
+            mask = keep_mask(choices, num_experts, capacity)
+            taken, want = [0] * num_experts, torch.zeros_like(choices, dtype=torch.bool)
+            for t in range(tokens):
+                for j in range(k):
+                    e = choices[t, j].item()
+                    if capacity is None or taken[e] < capacity:
+                        taken[e] += 1
+                        want[t, j] = True
+            what = f"moe.capacity: rank {rank}, E={num_experts}, k={k}, T={tokens}, capacity {capacity} ({factor})"
+            if factor == "fullest":
+                assert want.all(), "test set-up: nothing should drop at the fullest count"
+            if factor == "fullest - 1":
+                assert (~want).sum() == 1, "test set-up: one choice should drop"
+            assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == choices.shape, \
+                f"{what}: keep_mask must be bool {tuple(choices.shape)}, got {getattr(mask, 'dtype', type(mask))}"
+            assert torch.equal(mask, want), (
+                f"{what}: keep_mask must keep each expert's first choices in (token, slot) order\n"
+                f" got  {mask.int().tolist()}\n want {want.int().tolist()}")
 
 
 # ----------------------------------------------------------------------------- dispatch
 
+D_HIDDEN = 5
+PATTERNS = {  # rows group rank s sends to group rank d, of a group of m
+    "uneven": lambda s, d, m: (s + 2 * d) % 3 + (1 if d == 0 else 0),
+    "last rank sends nothing": lambda s, d, m: 0 if s == m - 1 else (s + 1) * (d + 2) % 4,
+    "rank 0 receives nothing": lambda s, d, m: 0 if d == 0 else s + d,
+}
+
+
 def dispatch_on_rank() -> None:
     from labkit.moe import AllToAll, exchange_counts
-    rank, n = dist.get_rank(), dist.get_world_size()
-    members = list(range(n))
-    rows_to = lambda src, dst: (src + 2 * dst) % 3 + (1 if dst == 0 else 0)  # uneven, some zero
-    for dtype in (torch.float64, torch.float32):
-        send = [rows_to(rank, d) for d in members]
-        recv = [rows_to(s, rank) for s in members]
-        x = torch.cat([torch.full((send[d], HIDDEN), 100.0 * rank + d, dtype=dtype) for d in members])
-        x += torch.arange(HIDDEN, dtype=dtype)
-        x.requires_grad_(True)
-        with CommTracer() as tracer:
-            out = AllToAll.apply(x, recv, send, None)
-            (out * (rank + 1)).sum().backward()
-        what = f"moe.dispatch: AllToAll on rank {rank} of {n}, {dtype}, sends {send}, receives {recv}"
-        want = torch.cat([torch.full((recv[s], HIDDEN), 100.0 * s + rank, dtype=dtype) for s in members])
-        assert_close(out, want + torch.arange(HIDDEN, dtype=dtype), what + ": the blocks received, in rank order")
-        grad = torch.cat([torch.full((send[d], HIDDEN), d + 1.0, dtype=dtype) for d in members])
-        assert_close(x.grad, grad, what + ": backward sends each block's gradient back to its sender")
-        size = HIDDEN * torch.tensor([], dtype=dtype).element_size()
-        assert_ops(tracer, 2 * [Op("all_to_all", max(sum(send), sum(recv)) * size, members)],
-                   what + " (one all-to-all forward, one back, max(rows sent, received) x H x bytes)")
-        builtin = torch.empty_like(out)
-        dist.all_to_all_single(builtin, x.detach(), recv, send)
-        assert_close(out, builtin, what + " vs dist.all_to_all_single")
-    counts = torch.tensor([10 * rank + e for e in range(EXPERTS * n)], dtype=torch.int64)
-    with CommTracer() as tracer:
-        got = exchange_counts(counts)
-    want = torch.tensor([[10 * s + rank * EXPERTS + e for e in range(EXPERTS)] for s in members])
-    what = f"moe.dispatch: exchange_counts on rank {rank} of {n}"
-    assert torch.equal(got, want), f"{what}: row s = what rank s sends to my experts\n got {got.tolist()}\n want {want.tolist()}"
-    assert_ops(tracer, [Op("all_to_all", counts.nbytes, members)], what + " (one all-to-all of the E counts)")
+    rank = dist.get_rank()
+    for group_name, members, group in groups_of_world():
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for dtype in DTYPES:
+            for pattern, rows_to in PATTERNS.items():
+                send = [rows_to(me, d, m) for d in range(m)]
+                recv = [rows_to(s, me, m) for s in range(m)]
+                what = (f"moe.dispatch: AllToAll on rank {rank}, {group_name}, {NAMES[dtype]}, {pattern}: "
+                        f"sends {send}, receives {recv}")
+                base = torch.cat([torch.full((send[d], 2 * D_HIDDEN), 100.0 * me + d) for d in range(m)])
+                base += torch.arange(2 * D_HIDDEN)
+                x = base.to(dtype)[:, ::2].requires_grad_(True)  # non-contiguous
+                scale = torch.arange(1, sum(recv) + 1, dtype=dtype).unsqueeze(1)
+                with CommTracer() as tracer:
+                    out = AllToAll.apply(x, recv, send, group)
+                    (out * scale).sum().backward()
+                want = torch.cat([torch.full((recv[s], 2 * D_HIDDEN), 100.0 * s + me) for s in range(m)])
+                want = (want + torch.arange(2 * D_HIDDEN))[:, ::2].to(dtype)
+                assert isinstance(out, torch.Tensor) and out.dtype == dtype, f"{what}: output must be {dtype}"
+                assert_close(out, want, what + ": the blocks received, in group-rank order", rtol=0, atol=0)
+                # row i of the receiver's output has gradient i + 1: rows sent to d sit after those of lower ranks
+                grad = torch.cat([torch.arange(1, send[d] + 1, dtype=torch.float64) + sum(rows_to(s, d, m) for s in range(me))
+                                  for d in range(m)]).unsqueeze(1).expand(-1, D_HIDDEN).to(dtype)
+                assert_close(x.grad, grad, what + ": backward sends each row's gradient back to its sender",
+                             rtol=0, atol=0)
+                size = D_HIDDEN * x.element_size()
+                assert_sequence(tracer, 2 * [Op("all_to_all", max(sum(send), sum(recv)) * size, members)],
+                                what + f" (one all-to-all forward, one back, in group {members}, "
+                                       f"max(rows sent, received) x H x {x.element_size()} B)")
+                assert [e.in_backward for e in tracer.events] == [False, True], \
+                    f"{what}: the second all-to-all must run in backward"
+        for local in (1, 2, 3):
+            counts = torch.tensor([(10 * me + e) * (e % 3 != 1) for e in range(local * m)], dtype=torch.int64)
+            with CommTracer() as tracer:
+                got = exchange_counts(counts, group)
+            want = torch.tensor([[(10 * s + me * local + e) * ((me * local + e) % 3 != 1) for e in range(local)]
+                                 for s in range(m)], dtype=torch.int64)
+            what = f"moe.dispatch: exchange_counts on rank {rank}, {group_name}, {local} experts per rank"
+            assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and torch.equal(got, want), \
+                f"{what}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
+            assert_sequence(tracer, [Op("all_to_all", counts.nbytes, members)],
+                            what + f" (one all-to-all of the E int64 counts in group {members})")
 
 
 # ----------------------------------------------------------------------------- the layer
 
-CASES = [("dropless", None, False), ("capacity 1.0", 1.0, False), ("uneven, dropless", None, True),
-         ("uneven, capacity 1.25", 1.25, True)]
+L_HIDDEN, L_FFN = 8, 12
+UNEVEN_SHIFT = 1.0
 
 
-def routed_rows(xs, gate, k, factor, rank, n):
-    """(rows rank sends, rows it receives) under the reference routing of every rank's tokens."""
+def layer_tokens(group_rank: int, salt: int, dtype, uneven: bool) -> torch.Tensor:
+    """[1, 5 + 2 r, H]: every group rank its own token count, none dividing E or N."""
+    gen = torch.Generator().manual_seed(100 * salt + group_rank)
+    x = torch.randn(1, 5 + 2 * group_rank, L_HIDDEN, generator=gen, dtype=torch.float64)
+    return (x + (UNEVEN_SHIFT if uneven else 0.0)).to(dtype)
+
+
+def skewed_gate(gate: torch.Tensor) -> torch.Tensor:
+    """Uneven routing: expert 0's weights lifted along the all-ones direction, so that tokens
+    shifted by +1 (``UNEVEN_SHIFT``) nearly all choose it first."""
+    gate = gate.clone()
+    gate[0] += (4.0 * gate.new_ones(gate.shape[1]) / math.sqrt(gate.shape[1])).to(gate.dtype)
+    return gate
+
+
+def layer_cases(m: int, world: bool) -> list:
+    """(name, E, k, capacity factor, uneven, dtype) for a group of m ranks."""
+    e = 2 * m if m > 1 else 4
+    cases = [(f"k=2, dropless", e, 2, None, False, torch.float64),
+             (f"k=1, capacity 1.0, uneven", e, 1, 1.0, True, torch.float64),
+             (f"k=3, capacity 0.5 (drops)", e, 3, 0.5, False, torch.float64),
+             (f"k=E={e}, capacity 1.0 (every expert exactly full)", e, e, 1.0, False, torch.float64),
+             (f"k=2, capacity 1.25, uneven", e, 2, 1.25, True, torch.float32)]
+    if world:
+        cases += [(f"k=1, dropless, uneven", e, 1, None, True, torch.float64),
+                  (f"k=2, capacity E/k = {e / 2:g} (no drop)", e, 2, e / 2, False, torch.bfloat16),
+                  (f"k=1, dropless", e, 1, None, False, torch.float16)]
+    if world and m > 1:
+        cases += [(f"k={min(3, m)}, dropless, one expert per rank", m, min(3, m), None, False, torch.float32)]
+    return cases
+
+
+def reference_routing(xs, gate, k, factor, num_experts):
+    """Per group rank: (kept experts, all experts) under the reference rules."""
     from labkit.moe import expert_capacity, keep_mask, route
-    local = EXPERTS // n
-    sent = received = 0
-    for src, x in enumerate(xs):
-        tokens = x.reshape(-1, HIDDEN)
+    out = []
+    for x in xs:
+        tokens = x.reshape(-1, x.shape[-1])
         experts = route(tokens, gate, k)[0]
-        kept = experts[keep_mask(experts, EXPERTS, expert_capacity(tokens.shape[0], EXPERTS, k, factor))]
-        if src == rank:
-            sent = kept.numel()
-        received += ((kept // local) == rank).sum().item()
-    return sent, received
+        kept = experts[keep_mask(experts, num_experts, expert_capacity(tokens.shape[0], num_experts, k, factor))]
+        out.append((kept, experts))
+    return out
 
 
 def layer_on_rank() -> None:
-    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe, route
+    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe
     rank, n = dist.get_rank(), dist.get_world_size()
-    members, local = list(range(n)), EXPERTS // n
+    groups = groups_of_world()
     with CommTracer() as tracer:  # bad input: a clear error before any communication
-        for kwargs in [dict(num_experts=EXPERTS, k=EXPERTS + 1), dict(num_experts=EXPERTS, capacity_factor=0.0),
-                       dict(num_experts=EXPERTS, capacity_factor=-1.0)] + (
-                [dict(num_experts=EXPERTS * n + 1)] if n > 1 else []):
+        for kwargs in [dict(num_experts=4, k=5), dict(num_experts=4, k=0), dict(num_experts=4, capacity_factor=0.0),
+                       dict(num_experts=4, capacity_factor=-1.0)] + ([dict(num_experts=2 * n + 1)] if n > 1 else []):
             with pytest.raises(ValueError):
-                ExpertParallelMoE(HIDDEN, FFN, **kwargs)
+                ExpertParallelMoE(L_HIDDEN, L_FFN, **kwargs)
+        for _, members, group in groups[1:]:
+            if rank in members:
+                with pytest.raises(ValueError):
+                    ExpertParallelMoE(L_HIDDEN, L_FFN, len(members) + 1, k=1, group=group)
     assert not tracer.events, f"moe.layer: bad input must fail before any communication, traced {tracer.ops()}"
-    for salt, (name, factor, uneven) in enumerate(CASES):
-        what = f"moe.layer: rank {rank} of {n}, {name}"
-        layer = ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, factor, seed=salt, dtype=torch.float64)
-        gate, w1, w2 = init_experts(EXPERTS, HIDDEN, FFN, salt, torch.float64)
-        if uneven:
-            gate = skewed_gate(gate)
-            with torch.no_grad():
-                layer.gate.copy_(gate)
-        xs = [(tokens_of(r, salt) + (UNEVEN_SHIFT if uneven else 0.0)).requires_grad_(True) for r in members]
-        ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
-        ref_total = 0
-        for r, x in enumerate(xs):
-            y, aux, z = reference_moe(x, *ref, TOP_K, factor)
-            ref_total = ref_total + (y.pow(2).sum() + aux + z)
-            if r == rank:
-                ref_y, ref_aux, ref_z = y, aux, z
-        ref_total.backward()
-        x = xs[rank].detach().clone().requires_grad_(True)
-        with CommTracer() as tracer:
-            y, aux = layer(x)
-            (y.pow(2).sum() + aux + layer.z_loss).backward()
-        assert_close(y, ref_y, what + ": output vs one process holding every expert")
-        assert_close(aux, ref_aux, what + ": load-balancing loss")
-        assert_close(x.grad, xs[rank].grad, what + ": input gradient (through combine, experts and dispatch)")
-        assert_close(layer.z_loss, ref_z, what + ": z-loss")
-        mine = slice(rank * local, (rank + 1) * local)
-        assert_close(layer.w1.grad, ref[1].grad[mine], what + ": w1 gradient of my experts (tokens of every rank)")
-        assert_close(layer.w2.grad, ref[2].grad[mine], what + ": w2 gradient of my experts (tokens of every rank)")
-        gate_grad = layer.gate.grad.clone()
-        dist.all_reduce(gate_grad)
-        assert_close(gate_grad, ref[0].grad, what + ": gate gradient summed over ranks")
-        if uneven:  # the case is what it says: expert 0 holds most choices
-            share = (route(xs[rank].detach().reshape(-1, HIDDEN), gate, TOP_K)[0] == 0).float().mean().item()
-            assert share > 0.4, f"test set-up: expert 0 should take most tokens, took {share:.0%}"
-        sent, received = routed_rows([t.detach() for t in xs], gate, TOP_K, factor, rank, n)
-        row = max(sent, received) * HIDDEN * 8
-        assert_ops(tracer, [Op("all_to_all", EXPERTS * 8, members)] + 4 * [Op("all_to_all", row, members)],
-                   what + f" (counts: E int64; dispatch, combine and their backward: max({sent} sent, "
-                          f"{received} received) rows x H x 8 B)")
-    # 5 AdamW steps on dropless uneven routing: the same loss curve on every rank
-    layer = ExpertParallelMoE(HIDDEN, FFN, EXPERTS, TOP_K, 1.5, seed=9, dtype=torch.float64)
-    ref = [p.clone().requires_grad_(True) for p in init_experts(EXPERTS, HIDDEN, FFN, 9, torch.float64)]
-    opt, ref_opt = torch.optim.AdamW(layer.parameters(), lr=1e-2), torch.optim.AdamW(ref, lr=1e-2)
-    for step in range(5):
-        xs = [tokens_of(r, 40 + step) for r in members]
-        y, aux = layer(xs[rank])
-        loss = y.pow(2).mean() + 0.01 * aux
-        opt.zero_grad()
-        loss.backward()
-        dist.all_reduce(layer.gate.grad)  # the gate is replicated: its gradient summed like the reference's
-        opt.step()
-        ref_losses = [reference_moe(x, *ref, TOP_K, 1.5) for x in xs]
-        ref_losses = [y.pow(2).mean() + 0.01 * a for y, a, _ in ref_losses]
-        ref_opt.zero_grad()
-        sum(ref_losses).backward()
-        ref_opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        assert_close(total, sum(ref_losses).detach(), f"moe.layer: rank {rank} of {n}, AdamW step {step}: summed loss")
+    salt = 0
+    for group_name, members, group in groups:
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for name, num_experts, k, factor, uneven, dtype in layer_cases(m, group is None):
+            salt += 1
+            local = num_experts // m
+            what = f"moe.layer: rank {rank}, {group_name}, E={num_experts}, {name}, {NAMES[dtype]}"
+            layer = ExpertParallelMoE(L_HIDDEN, L_FFN, num_experts, k, factor, group=group, seed=salt, dtype=dtype)
+            gate, w1, w2 = init_experts(num_experts, L_HIDDEN, L_FFN, salt, dtype)
+            if uneven:
+                gate = skewed_gate(gate)
+                with torch.no_grad():
+                    layer.gate.copy_(gate)
+            for p, name_p in ((layer.gate, "gate"), (layer.w1, "w1"), (layer.w2, "w2")):
+                assert p.dtype == dtype, f"{what}: {name_p} must be {dtype}, got {p.dtype}"
+            xs = [layer_tokens(r, salt, dtype, uneven).requires_grad_(True) for r in range(m)]
+            ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
+            ref_total = 0
+            for r, x in enumerate(xs):
+                y, aux, z = reference_moe(x, *ref, k, factor)
+                ref_total = ref_total + (y.double().pow(2).sum() + aux.double() + z.double())
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            x = xs[me].detach().clone().requires_grad_(True)
+            with CommTracer() as tracer:
+                y, aux = layer(x)
+                (y.double().pow(2).sum() + aux.double() + layer.z_loss.double()).backward()
+            near(y, ref_y, what + ": output vs one process holding every expert")
+            near(aux, ref_aux, what + ": load-balancing loss")
+            near(layer.z_loss, ref_z, what + ": z-loss")
+            near(x.grad, xs[me].grad, what + ": input gradient (through combine, experts and dispatch)")
+            mine = slice(me * local, (me + 1) * local)
+            near(layer.w1.grad, ref[1].grad[mine], what + ": w1 gradient of my experts (tokens of every group rank)")
+            near(layer.w2.grad, ref[2].grad[mine], what + ": w2 gradient of my experts (tokens of every group rank)")
+            gate_grad = layer.gate.grad.clone()
+            dist.all_reduce(gate_grad, group=group)
+            near(gate_grad, ref[0].grad, what + ": gate gradient summed over the group")
+            routing = reference_routing([t.detach() for t in xs], gate, k, factor, num_experts)
+            sent = routing[me][0].numel()
+            received = sum(((kept // local) == me).sum().item() for kept, _ in routing)
+            assert tuple(layer.routed_rows) == (sent, received), \
+                f"{what}: routed_rows must be (rows sent, rows received) = {(sent, received)}, got {layer.routed_rows}"
+            row = max(sent, received) * L_HIDDEN * torch.tensor([], dtype=dtype).element_size()
+            assert_sequence(tracer, [Op("all_to_all", num_experts * 8, members)] + 4 * [Op("all_to_all", row, members)],
+                            what + f" (in group {members}: counts E x 8 B first; then dispatch, combine, and both "
+                                   f"in backward: max({sent} sent, {received} received) rows x H x element size)")
+            assert [e.dtype for e in tracer.events] == [torch.int64] + 4 * [dtype], \
+                f"{what}: counts as int64, rows as {dtype}: traced {[e.dtype for e in tracer.events]}"
+            # the case is what it says
+            kept_all = torch.cat([kept for kept, _ in routing])
+            choices = sum(ex.numel() for _, ex in routing)
+            loads = torch.bincount(kept_all, minlength=num_experts)
+            if uneven and k == 1:
+                assert (loads == 0).any(), f"test set-up ({what}): some expert should get no token, loads {loads.tolist()}"
+            if factor is not None and "no drop" not in name and "exactly" not in name:
+                assert kept_all.numel() < choices, f"test set-up ({what}): capacity should drop some choices"
+            elif factor is not None:
+                assert kept_all.numel() == choices, f"test set-up ({what}): capacity should drop nothing"
+            if k == 1:  # Switch: the router learns from the task loss
+                x2 = xs[me].detach().clone()
+                layer.zero_grad()
+                y, _ = layer(x2)
+                y.double().pow(2).sum().backward()
+                ref_gate = gate.clone().requires_grad_(True)
+                task = sum(reference_moe(t.detach(), ref_gate, w1, w2, k, factor)[0].double().pow(2).sum() for t in xs)
+                task.backward()
+                gate_grad = layer.gate.grad.clone()
+                dist.all_reduce(gate_grad, group=group)
+                assert gate_grad.abs().max() > 0, f"{what}: at k = 1 the router must get a gradient from the task loss"
+                near(gate_grad, ref_gate.grad, what + ": gate gradient of the task loss alone (k = 1, Switch)")
+    for group_name, members, group in groups[:1] + groups[1:][-1:]:  # several steps: the world and the last subgroup
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for name, k, factor, make_opt in [
+                ("AdamW, k=2, capacity 1.5", 2, 1.5, lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+                ("momentum SGD, k=1, dropless, frozen gate", 1, None,
+                 lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9))]:
+            num_experts, local = 2 * m, 2
+            what = f"moe.layer: rank {rank}, {group_name}, {name}"
+            layer = ExpertParallelMoE(L_HIDDEN, L_FFN, num_experts, k, factor, group=group, seed=9, dtype=torch.float64)
+            ref = [p.clone().requires_grad_(True) for p in init_experts(num_experts, L_HIDDEN, L_FFN, 9, torch.float64)]
+            frozen = "frozen" in name
+            if frozen:
+                layer.gate.requires_grad_(False)
+                ref[0].requires_grad_(False)
+            opt = make_opt([p for p in layer.parameters() if p.requires_grad])
+            ref_opt = make_opt([p for p in ref if p.requires_grad])
+            for step in range(3):
+                xs = [layer_tokens(r, 40 + step, torch.float64, False) for r in range(m)]
+                y, aux = layer(xs[me])
+                loss = y.pow(2).mean() + 0.01 * aux
+                opt.zero_grad()
+                loss.backward()
+                if not frozen:
+                    dist.all_reduce(layer.gate.grad, group=group)  # replicated: summed like the reference's
+                opt.step()
+                ref_losses = [reference_moe(x, *ref, k, factor) for x in xs]
+                ref_loss = sum(y.pow(2).mean() + 0.01 * a for y, a, _ in ref_losses)
+                ref_opt.zero_grad()
+                ref_loss.backward()
+                ref_opt.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=group)
+                near(total, ref_loss.detach(), f"{what}, step {step + 1}: loss summed over the group")
+                near(layer.w1, ref[1][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w1")
+                near(layer.w2, ref[2][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w2")
+                near(layer.gate, ref[0], f"{what}, after step {step + 1}: gate")
 
 
 # ----------------------------------------------------------------------------- EP x DP
 
-GPT_MOE = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=4, moe_k=2)
-GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 4: [(2, 2), (4, 1), (1, 4)]}  # (ep, dp)
-PER_RANK, STEPS, LR = 2, 5, 1e-2
-GPT_CASES = [("dropless", None, False), ("capacity 1.0", 1.0, False), ("uneven, capacity 1.0", 1.0, True)]
+GPT_MOE = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8)
+GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)], 4: [(2, 2), (4, 1), (1, 4)]}  # (ep, dp)
+PER_RANK, STEPS, LR = 2, 3, 1e-2
+GPT_CASES = [  # name, k, capacity factor, uneven, optimizer, frozen + unused parameters
+    ("k=2, dropless, AdamW", 2, None, False, "adamw", False),
+    ("k=1, capacity 1.0, uneven, momentum SGD, frozen wpe + an unused parameter", 1, 1.0, True, "sgd", True),
+    ("k=3, capacity 1.0, AdamW", 3, 1.0, False, "adamw", False),
+]
+
+
+def make_optimizer(kind, params):
+    params = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(params, lr=LR) if kind == "adamw" else torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
 @torch.no_grad()
@@ -279,8 +542,9 @@ def ep_dp_on_rank() -> None:
             with pytest.raises(ValueError):
                 ep_dp_grid(n, ep, dp)
     assert not tracer.events, f"moe.ep_dp: bad grids must fail before any communication, traced {tracer.ops()}"
-    for ep, dp in GRIDS[n]:
+    for index, (ep, dp) in enumerate(GRIDS[n]):
         grid = ep_dp_grid(n, ep, dp)
+        experts_total = 2 * ep if ep == 3 else 4
         with CommTracer() as tracer:  # a model whose experts do not split: refused before any communication
             for bad in ([dict(GPT_MOE, n_experts=2 * ep + 1)] if ep > 1 else []) + [dict(GPT_MOE, n_experts=0)]:
                 with pytest.raises(ValueError):
@@ -288,14 +552,18 @@ def ep_dp_on_rank() -> None:
         assert not tracer.events, f"moe.ep_dp: bad models must fail before any communication, traced {tracer.ops()}"
         ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
         dp_members = list(range(rank % ep, n, ep))
-        for name, factor, uneven in GPT_CASES:
-            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, {name}"
-            config = GPTConfig(**GPT_MOE, moe_capacity_factor=factor)
+        # every case on the first grid, one each (in turn) on the others: the test time stays small
+        for name, k, factor, uneven, optimizer, frozen in (GPT_CASES if index == 0 else [GPT_CASES[index % 3]]):
+            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, E={experts_total}, {name}"
+            config = GPTConfig(**GPT_MOE, n_experts=experts_total, moe_k=k, moe_capacity_factor=factor)
             ref = GPT(config, seed=3).double()
             if uneven:
                 skew_towards_expert_0(ref)
+            if frozen:
+                ref.wpe.weight.requires_grad_(False)
+                ref.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
             model = expert_parallel_gpt(copy.deepcopy(ref), grid.group(EP_AXIS))
-            opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=LR), torch.optim.AdamW(ref.parameters(), lr=LR)
+            opt, ref_opt = make_optimizer(optimizer, model.parameters()), make_optimizer(optimizer, ref.parameters())
             local = config.n_experts // ep
             mine = slice(rank % ep * local, (rank % ep + 1) * local)
             for step in range(STEPS):
@@ -321,26 +589,28 @@ def ep_dp_on_rank() -> None:
                 opt.step()
                 total = loss.detach().clone()
                 dist.all_reduce(total)
-                assert_close(total / n, ref_loss.detach(), f"{what}, step {step + 1}: global loss (mean over ranks)")
+                near(total / n, ref_loss.detach(), f"{what}, step {step + 1}: global loss (mean over ranks)")
                 if step == 0:
-                    want = []
+                    forward, backward = [], []
                     for layer in range(config.n_layer):
                         sent = kept[rank][layer].numel()
                         received = sum(((kept[r][layer] // local) == rank % ep).sum().item() for r in ep_members)
-                        rows = max(sent, received) * config.n_embd * 8
-                        want += [Op("all_to_all", config.n_experts * 8, ep_members)] + 4 * [Op("all_to_all", rows, ep_members)]
+                        rows = Op("all_to_all", max(sent, received) * config.n_embd * 8, ep_members)
+                        forward += [Op("all_to_all", config.n_experts * 8, ep_members), rows, rows]
+                        backward = [rows, rows] + backward
                     experts = {id(p) for p in expert_parameters(model)}
-                    want += [Op("all_reduce", p.numel() * 8, dp_members if id(p) in experts else None)
-                             for p in model.parameters()]
-                    assert_ops(tracer, want, what + " (per MoE layer: counts + dispatch + combine in the EP group, "
-                                                    "twice back; one all-reduce per dense grad over the world, "
-                                                    "per expert grad over the DP group)")
+                    reduces = [Op("all_reduce", p.numel() * 8, dp_members if id(p) in experts else None)
+                               for p in model.parameters() if p.grad is not None]
+                    assert_sequence(tracer, forward + backward + reduces,
+                                    what + " (per MoE layer: counts, dispatch, combine in the EP group, then both "
+                                           "back, last layer first; one all-reduce per parameter with a gradient, "
+                                           "in model.parameters() order: dense over the world, expert over the DP group)")
                 ref_params = dict(ref.named_parameters())
-                for name, p in model.named_parameters():
-                    ref_p = ref_params[name.replace("mlp.moe.", "mlp.")]
-                    expert = name.endswith(("moe.w1", "moe.w2"))
-                    assert_close(p, ref_p[mine] if expert else ref_p, f"{what}, after step {step + 1}: {name}"
-                                 + (" (this rank's experts)" if expert else ""))
+                for pname, p in model.named_parameters():
+                    ref_p = ref_params[pname.replace("mlp.moe.", "mlp.")]
+                    expert = pname.endswith(("moe.w1", "moe.w2"))
+                    near(p, ref_p[mine] if expert else ref_p, f"{what}, after step {step + 1}: {pname}"
+                         + (" (this rank's experts)" if expert else ""))
                 if step == 0 and factor is not None:  # the case is what it says: some choices dropped
                     choices = sum(t.numel() for per_rank in kept for t in per_rank)
                     assert choices < n * config.n_layer * PER_RANK * config.block_size * config.moe_k, \
@@ -348,6 +618,7 @@ def ep_dp_on_rank() -> None:
                 if step == 0 and uneven:  # ... and most tokens choose expert 0, in every layer
                     share = [(t == 0).any(dim=1).float().mean().item() for per_rank in chosen for t in per_rank]
                     assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
+
 
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -362,18 +633,18 @@ def test_capacity(world_size):
 
 
 @task("moe.dispatch", points=2)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_dispatch(world_size):
     run_graded("moe.dispatch", dispatch_on_rank, world_size)
 
 
 @task("moe.layer", points=3)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_layer(world_size):
     run_graded("moe.layer", layer_on_rank, world_size)
 
 
 @task("moe.ep_dp", points=2)
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ep_dp(world_size):
     run_graded("moe.ep_dp", ep_dp_on_rank, world_size, timeout=120)

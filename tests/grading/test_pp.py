@@ -33,6 +33,15 @@ receive has completed when it returns; and a GPipe step of the runner on each su
 moves exactly the messages above, between global ranks, and trains like one process. The
 same stages under torch.distributed.pipelining with the matching built-in schedule give the
 same losses; bad arguments raise ValueError before anything runs.
+
+Group-taking functions and where each is graded on a subgroup (p2p messages checked against
+the plan, global peers and the group's ranks, as each is posted, by ``StageTracer``):
+    send_forward/recv_forward/send_backward/recv_backward(..., group), peer(stage, n, group),
+    PipelineRunner(group=): at 4 ranks on {1,2,3} and {0,1,3} (a rank outside each), then on
+        the 2x2 grid's axis {0,2} and {1,3} (one pipeline after the other, the others idle); at
+        3 ranks on {0,2} after the world, rank 1 standing by (it posts nothing)
+Overlap (event order): pp.p2p's sends must be in flight while the stage computes (a send
+waited on before any computation fails as it is waited on, world and every subgroup).
 """
 
 import itertools
@@ -51,7 +60,8 @@ BATCH_PER_MICRO = 2
 PIPELINE_RANKS = [2, 3, 4]
 SCHEDULES = {"gpipe": "pp.gpipe", "1f1b": "pp.1f1b", "interleaved": "pp.interleaved",
              "zero_bubble": "pp.zero_bubble"}
-SUBGROUPS = [[1, 2, 3], [0, 1, 3]]  # pipeline axes of a 4-rank mesh, as in chapter 08
+SUBGROUPS = [[1, 2, 3], [0, 1, 3], [0, 2], [1, 3]]  # pipeline axes of a 4-rank mesh, as in chapter 08
+AFTER_THE_WORLD = {3: [[0, 2]]}  # in the world's own launch: a pipeline of 2 beside a bystander
 FLOAT64 = torch.empty((), dtype=torch.float64).element_size()
 
 
@@ -497,7 +507,9 @@ def p2p_on_rank(subgroups=None):
     pass activations forward and gradients back, then run a GPipe step through the runner."""
     torch.set_num_threads(1)
     # Every rank takes part in making every group, even those outside it.
-    groups = [(members, dist.new_group(members)) for members in subgroups] if subgroups else [(None, None)]
+    if not subgroups:
+        subgroups = [None] + AFTER_THE_WORLD.get(dist.get_world_size(), [])
+    groups = [(members, dist.new_group(members) if members else None) for members in subgroups]
     for members, group in groups:
         if members and dist.get_rank() not in members:
             continue
@@ -606,7 +618,8 @@ def test_activations_and_gradients_reach_their_stage(world_size):
 
 @task("pp.p2p", points=1)
 def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
-    # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3
+    # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3;
+    # then the strided axis of a 2x2 grid: 2 stages on 0, 2, then on 1, 3
     run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS)
 
 

@@ -5,37 +5,54 @@ are checked on every rank of a launch at world sizes 1 and 2 (1 a diagnostic), e
 its own data, as chapter 10 grades its router. Each is checked, in float64 with dropout on,
 over 5 AdamW steps against the same model (same weights, same seeds) without the technique
 and, for full recomputation, against ``torch.utils.checkpoint`` (non-reentrant): the loss at
-every step and every gradient. Then what the technique is for:
+every step and every gradient. Memory is measured here (``saved_tensors_hooks`` with weak
+references to the storages, ``SavedPeak``; hooks wrapped around the pool), never taken from
+numbers the code under test reports. Then, per task:
 
-* checkpoint: the order of block forwards traced (every block once in forward; in backward
-  exactly the wrapped blocks, last first, once each) for k = 1, 2, 3; the bytes autograd saves
-  per block, counted here with ``saved_tensors_hooks`` by storage, equal to the chapter's
-  formula: 4 s b h for a wrapped block (its input), s b (72 h + 12 a s + 16) for a kept one
-  (fp32-equivalent float64 counts are doubled: the test uses the element size);
-* selective: per block s b (72 h + 16) x element size / 4 saved bytes at several s, b, h, a;
-* offload: bytes on the host after forward = the layers' saved bytes, each layer's offload,
-  fetch and prefetch events in order, at most two layers back on the device at once;
-* optimizer_offload: a bf16 GPT whose fp32 master weights and AdamW moments live on the host
-  (12 bytes per parameter), the masters after each of 5 steps against torch.optim.AdamW on fp32
-  copies fed the same bf16 gradients, the bf16 parameters equal to their master cast, 4 bytes
-  per parameter over the link per step;
-* accumulate: at world sizes 1-3, the gradients of one big batch (every rank's micro-batches
-  in one process) after each of 5 steps, and the whole communication: nothing before the last
-  micro-batch's backward, then one all-reduce per parameter of its gradient's bytes.
+* checkpoint: k = 1, 2, 3 and k > the number of blocks (block 0 alone); the order of block
+  forwards traced (every block once in forward; in backward exactly the wrapped blocks, last
+  first, once each); the RNG seeded once over 3 steps: losses, gradients and the global RNG
+  state after each backward equal to no checkpointing's (a recompute that advances, consumes
+  or resets the global stream fails); CPU autocast in bf16 and fp16 (forward inside, backward
+  outside) over 3 steps: every Linear recomputed in the forward's dtype, gradients equal to no
+  checkpointing's and (bf16) torch's; ``Checkpoint.apply`` with tensor arguments that require a
+  gradient and one that does not, non-tensor arguments and two outputs (both used, or one);
+  saved bytes per block in forward (4 s b h for a wrapped block, s b (72 h + 12 a s + 16) for a
+  kept one, x element size / 4) and the peak over forward and backward, measured, equal to
+  max(end of forward, the blocks before j + block j rebuilt whole) at k = 1..4 over 3 shapes;
+* selective: per block s b (72 h + 16) x element size / 4 saved bytes at several s, b, h, a, and
+  the measured peak of backward at most one attention core (12 a s^2 b in fp32) above it;
+* offload: one pool over 5 steps, watched from outside: every tensor handed to ``pack`` freed
+  once forward is done (weak references: a pool that keeps the device tensor fails), each layer
+  copied back through ``_to_device`` once per step, after backward entered the block above it
+  and before it enters the layer's own block (never two ahead), at most two layers of copies
+  alive at once, none after backward; the pool's own books (host bytes, events) as well;
+* optimizer_offload: fp32, bf16 and fp16 models, AdamW with non-default betas, eps and weight
+  decay against torch.optim.AdamW on fp32 copies fed the same gradients over 5 steps, with a
+  frozen parameter (not taken), an unused one (never a gradient) and one with a gradient on even
+  steps only (its own step count drives its bias corrections, as torch's); fp32 master and
+  moments on the host (12 bytes per trainable parameter); parameters equal to their master cast;
+* accumulate: at world sizes 3 and 4 (1 a diagnostic), over every rank and over rank pairs
+  ({0,1}/{2,3}; {0,2}/{1}), m = 1, 2, 3 micro-batches, equal and unequal in size, 3 steps each,
+  a frozen and an unused parameter: gradients equal to one batch of each rank's micro-batches
+  (the mean over its tokens), averaged over the group's ranks; the loss returned; nothing
+  communicated before the last micro-batch, then one all-reduce per gradient over the group.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
-from labkit.memory import SavedBytes
+from labkit.memory import SavedBytes, SavedPeak
 from labkit.models import GPTConfig
 from labkit.oracles import builtin_checkpoint
 
-DROPOUT, STEPS = 0.2, 5
+DROPOUT, STEPS, STREAM_STEPS = 0.2, 5, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 SHAPES = [(8, 2, 16, 2), (12, 3, 16, 4), (6, 1, 32, 2)]  # (s, b, h, a) for the byte counts
 
@@ -71,6 +88,25 @@ def train(model, rank, forward=None, steps=STEPS, on_step=None):
     return losses, grads
 
 
+def train_stream(model, rank, steps=STREAM_STEPS):
+    """AdamW steps with dropout on and the RNG seeded ONCE: every step draws from where the one
+    before left the global stream. (losses, grads per step, the global RNG state after each
+    step's backward)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(500 + rank)
+    losses, grads, states = [], [], []
+    for step in range(steps):
+        x, y = tokens(rank, step)
+        loss = model(x, y)[1]
+        opt.zero_grad()
+        loss.backward()
+        states.append(torch.get_rng_state())
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads, states
+
+
 def assert_same_training(got, want, what):
     for step, (loss, ref) in enumerate(zip(got[0], want[0])):
         assert_close(loss, ref, f"{what}, step {step}: loss")
@@ -83,14 +119,16 @@ def assert_same_training(got, want, what):
 def checkpoint_on_rank() -> None:
     from labkit.recompute import checkpoint_every, memory_gpt
     rank = dist.get_rank()
-    with pytest.raises(ValueError):
-        checkpoint_every(memory_gpt(CONFIG), 0)
+    for bad in (0, -1):
+        with pytest.raises(ValueError):
+            checkpoint_every(memory_gpt(CONFIG), bad)
     plain = train(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
     quiet = memory_gpt(CONFIG, 0.0, seed=rank).double()
     x, y = tokens(rank, 0)
     torch.manual_seed(77)
     assert (quiet(x, y)[1] - plain[0][0]).abs() > 1e-6, "test set-up: dropout must change the loss"
-    for k in (1, 2, 3):
+    plain_stream = train_stream(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
+    for k in (1, 2, 3, CONFIG.n_layer + 1):  # k > the number of blocks: block 0 alone
         what = f"recompute.checkpoint: rank {rank}, every {k}-th block"
         want = [i for i in range(CONFIG.n_layer) if i % k == 0]
         model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
@@ -113,23 +151,243 @@ def checkpoint_on_rank() -> None:
         checkpoint_every(model, k)
         ours = train(model, rank)
         assert_same_training(ours, plain, what + " vs no checkpointing (dropout on)")
-        theirs = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
-        for i in want:
-            theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
-        assert_same_training(ours, train(theirs, rank), what + " vs torch.utils.checkpoint (non-reentrant)")
-    # bytes saved per block: the wrapped ones keep their input only
+        if k in (1, 3):  # (equal to no checkpointing at every k; torch's checkpoint at two of them)
+            theirs = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+            for i in want:
+                theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
+            assert_same_training(ours, train(theirs, rank), what + " vs torch.utils.checkpoint (non-reentrant)")
+            # the RNG stream, seeded once: the recompute draws the forward's masks again on a fork
+            # of the stream, so each step leaves the global stream where no checkpointing leaves it
+            model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+            checkpoint_every(model, k)
+            stream = train_stream(model, rank)
+            for step in range(STREAM_STEPS):
+                assert torch.equal(stream[2][step], plain_stream[2][step]), (
+                    f"{what}, step {step} (RNG seeded once, {STREAM_STEPS} steps): the global RNG stream after "
+                    "backward is not where training without checkpointing leaves it; the recompute must draw on a "
+                    "fork of the stream (torch.random.fork_rng), neither advancing nor resetting it")
+            assert_same_training(stream, plain_stream, what + f", RNG seeded once over {STREAM_STEPS} steps")
+    checkpoint_autocast(rank)
+    checkpoint_api(rank)
+    checkpoint_memory(rank)
+
+
+def checkpoint_autocast(rank) -> None:
+    """CPU autocast in forward, backward outside it (as one trains with it): the recompute must
+    run in the forward's precision, so gradients equal no checkpointing's and torch's."""
+    from labkit.recompute import checkpoint_every, memory_gpt
+    for dtype in (torch.bfloat16, torch.float16):
+        what = f"recompute.checkpoint: rank {rank}, CPU autocast to {dtype}"
+
+        def forward(m, x, y):
+            with torch.autocast("cpu", dtype=dtype):
+                return m(x, y)[1]
+
+        plain = train(memory_gpt(CONFIG, DROPOUT, seed=rank), rank, forward=forward, steps=3)
+        model = memory_gpt(CONFIG, DROPOUT, seed=rank)
+        checkpoint_every(model, 1)
+        seen, phase = [], ["forward"]
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda mod, args, out, name=name: seen.append((phase[0], name, out.dtype)))
+
+        def on_step(step):
+            phase[0] = "forward"
+
+        def forward_then_recompute(m, x, y):
+            loss = forward(m, x, y)
+            phase[0] = "recompute"
+            return loss
+
+        ours = train(model, rank, forward=forward_then_recompute, steps=3, on_step=on_step)
+        recomputed = [(name, d) for p, name, d in seen if p == "recompute"]
+        assert recomputed, f"{what}: no block's Linear ran in backward (nothing recomputed)"
+        wrong = sorted({(name, str(d)) for name, d in recomputed if d != dtype})
+        assert not wrong, (f"{what}: the recompute in backward ran these Linear layers in another precision "
+                           f"than the forward ({dtype}): {wrong[:4]}; restore the forward's autocast state")
+        assert_same_training(ours, plain, what + " vs no checkpointing")
+        if dtype == torch.bfloat16:
+            theirs = memory_gpt(CONFIG, DROPOUT, seed=rank)
+            for i in range(CONFIG.n_layer):
+                theirs.blocks[i] = builtin_checkpoint(theirs.blocks[i])
+            assert_same_training(ours, train(theirs, rank, forward=forward, steps=3),
+                                 what + " vs torch.utils.checkpoint (non-reentrant)")
+
+
+def checkpoint_api(rank) -> None:
+    """Checkpoint.apply on its own: tensor arguments that require a gradient and ones that do not,
+    non-tensor arguments, two outputs (both used, or one), dropout inside; against fn itself."""
+    import torch.nn.functional as F
+    from labkit.recompute import Checkpoint
+    gen = torch.Generator().manual_seed(rank)
+    lin = nn.Linear(6, 6).double()
+
+    def fn(x, mask, scale, y, p):
+        h = F.dropout(lin(x) * mask, p) * scale
+        return h + y, (h * y).tanh()
+
+    x0, y0 = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+    mask = (torch.rand(4, 6, generator=gen) > 0.3).double()
+    w1, w2 = (torch.randn(4, 6, dtype=torch.float64, generator=gen) for _ in range(2))
+    for use in ("both outputs", "the second output only"):
+        results = []
+        for run in (fn, lambda *args: Checkpoint.apply(fn, *args)):
+            lin.zero_grad()
+            x, y = x0.clone().requires_grad_(True), y0.clone().requires_grad_(True)
+            torch.manual_seed(40 + rank)
+            out1, out2 = run(x, mask, 0.5, y, 0.3)
+            loss = (out2 * w2).sum() + ((out1 * w1).sum() if use == "both outputs" else 0)
+            loss.backward()
+            results.append(([out1.detach(), out2.detach(), x.grad, y.grad, lin.weight.grad.clone(),
+                             lin.bias.grad.clone()], torch.get_rng_state(), mask.grad))
+        what = f"recompute.checkpoint: rank {rank}, Checkpoint.apply(fn, x, mask, 0.5, y, 0.3), loss of {use}"
+        names = ["first output", "second output", "x.grad", "y.grad", "weight.grad", "bias.grad"]
+        for name, got, want in zip(names, results[1][0], results[0][0]):
+            assert got is not None, f"{what}: {name} is None"
+            assert_close(got, want, f"{what}: {name} vs fn without checkpointing")
+        assert results[1][2] is None, f"{what}: the mask (requires no gradient) got a gradient"
+        assert torch.equal(results[1][1], results[0][1]), f"{what}: the global RNG stream is not where fn leaves it"
+    out = Checkpoint.apply(lambda t: t * 2, torch.ones(3))
+    assert not out.requires_grad and torch.equal(out, torch.full((3,), 2.0)), (
+        f"recompute.checkpoint: rank {rank}, no argument requires a gradient: got {out}")
+
+
+def checkpoint_memory(rank) -> None:
+    """Measured with saved_tensors_hooks over forward AND backward: the peak of saved bytes. A
+    wrapped block keeps its input (4 s b h in fp32); in backward it is rebuilt, one at a time, and
+    holds its whole s b (72 h + 12 a s + 16) while the blocks before it still hold theirs."""
+    from labkit.recompute import checkpoint_every, memory_gpt
     for s, b, h, a in SHAPES:
         config = GPTConfig(vocab_size=32, block_size=s, n_layer=3, n_head=a, n_embd=h)
+        kept, given = kept_bytes(s, b, h, a), s * b * h * 8
+        # bytes saved per block in forward, k = 2: the wrapped ones keep their input only
         model = memory_gpt(config, DROPOUT, seed=rank).double()
         checkpoint_every(model, 2)
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         for i, block in enumerate(model.blocks):
             with SavedBytes(model) as saved:
                 x = block(x)
-            want = s * b * h * 8 if i % 2 == 0 else kept_bytes(s, b, h, a)
+            want = given if i % 2 == 0 else kept
             assert saved.bytes == want, (
                 f"recompute.checkpoint: rank {rank}, s={s} b={b} h={h} a={a}, block {i} "
                 f"({'wrapped' if i % 2 == 0 else 'kept'}): saves {saved.bytes} B, want {want} B")
+        for k in (1, 2, 3, 4):
+            model = memory_gpt(config, DROPOUT, seed=rank).double()
+            checkpoint_every(model, k)
+            held = [given if i % k == 0 else kept for i in range(3)]
+            want = max(sum(held), max(sum(held[:j]) + kept for j in range(3) if j % k == 0))
+            peak = SavedPeak(model)
+            x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+            with peak.hooks():
+                out = x
+                for block in model.blocks:
+                    out = block(out)
+                out.sum().backward()
+            assert peak.peak == want, (
+                f"recompute.checkpoint: rank {rank}, every {k}-th of 3 blocks, s={s} b={b} h={h} a={a}: peak of "
+                f"saved bytes over forward and backward measured {peak.peak} B, want {want} B = max(end of forward "
+                f"{sum(held)}, while block j is rebuilt: the blocks before it + its whole {kept})")
+
+
+class Scale(nn.Module):
+    """A block that saves exactly its input (x * w, w a parameter): A = I, Chen's setting."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, h, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Stack(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def segments_on_rank() -> None:
+    from labkit.recompute import checkpoint_segments, memory_gpt
+    rank = dist.get_rank()
+    for bad in (0, -2):
+        with pytest.raises(ValueError):
+            checkpoint_segments(memory_gpt(CONFIG), bad)
+    plain = train(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
+    plain_stream = train_stream(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
+    L = CONFIG.n_layer
+    for k in (1, 2, 3, L, L + 1):
+        what = f"recompute.segments: rank {rank}, segments of {k} of {L} blocks"
+        want = [list(range(i, min(i + k, L))) for i in range(0, L, k)]
+        model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+        blocks = list(model.blocks)
+        got = checkpoint_segments(model, k)
+        assert [list(run) for run in got] == want, f"{what}: segments {got}, want {want}"
+        events, phase = [], ["forward"]
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(lambda mod, args, i=i: events.append((phase[0], i)))
+        x, y = tokens(rank, 0)
+        loss = model(x, y)[1]
+        phase[0] = "backward"
+        loss.backward()
+        expected = [("forward", i) for i in range(L)] + [("backward", i) for run in reversed(want) for i in run]
+        assert events == expected, (f"{what}: block forwards traced {events}, want {expected} (in backward each "
+                                    "segment rebuilt whole, in order, the last segment first)")
+        model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+        checkpoint_segments(model, k)
+        assert_same_training(train(model, rank), plain, what + " vs no checkpointing (dropout on)")
+        if k == 2:
+            model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+            checkpoint_segments(model, k)
+            stream = train_stream(model, rank)
+            for step in range(STREAM_STEPS):
+                assert torch.equal(stream[2][step], plain_stream[2][step]), (
+                    f"{what}, step {step} (RNG seeded once): the global RNG stream after backward is not where "
+                    "training without checkpointing leaves it")
+            assert_same_training(stream, plain_stream, what + f", RNG seeded once over {STREAM_STEPS} steps")
+    # the peak of saved bytes, measured over forward and backward, vs the formula
+    def measured_peak(model, x):
+        peak = SavedPeak(model)
+        with peak.hooks():
+            out = model(x)
+            out.sum().backward()
+        return peak.peak
+
+    def formula(L, k, given, block):
+        runs = [min(k, L - i) for i in range(0, L, k)]
+        return max(len(runs) * given, max(j * given + n * block for j, n in enumerate(runs)))
+
+    for s, b, h, a in SHAPES[:2]:
+        config = GPTConfig(vocab_size=32, block_size=s, n_layer=4, n_head=a, n_embd=h)
+        given, block = s * b * h * 8, kept_bytes(s, b, h, a)
+        for k in (1, 2, 3, 4):
+            model = memory_gpt(config, DROPOUT, seed=rank).double()
+            checkpoint_segments(model, k)
+            stack = Stack(list(model.blocks))
+            got = measured_peak(stack, torch.randn(b, s, h, dtype=torch.float64, requires_grad=True))
+            want = formula(4, k, given, block)
+            assert got == want, (
+                f"recompute.segments: rank {rank}, 4 MemoryBlocks in segments of {k}, s={s} b={b} h={h} a={a}: peak "
+                f"of saved bytes measured {got} B, want {want} B = max(ceil(L/k) inputs, j inputs + the k blocks of "
+                f"segment j rebuilt, {block} B each)")
+    # sqrt(L): 16 blocks that each save their input (A = I): the measured peak is least at k = 4
+    h, layers = 64, 16
+    peaks = {}
+    for k in range(1, layers + 1):
+        stack = Stack([Scale(h) for _ in range(layers)])
+        checkpoint_segments(stack, k)
+        peaks[k] = measured_peak(stack, torch.randn(2, h, dtype=torch.float64, requires_grad=True))
+        want = formula(layers, k, 2 * h * 8, 2 * h * 8)
+        assert peaks[k] == want, (f"recompute.segments: rank {rank}, {layers} blocks saving their input, segments of "
+                                  f"{k}: peak measured {peaks[k]} B, want {want} B")
+    best = [k for k in peaks if peaks[k] == min(peaks.values())]
+    assert 4 in best and peaks[4] * 2 < peaks[1], (
+        f"recompute.segments: rank {rank}: the least peak at k = {best}, want k = sqrt(16) = 4 among them (its "
+        f"neighbours tie: a short last segment is rebuilt cheaply) and under half of k = 1's: {peaks}")
 
 
 # ----------------------------------------------------------------------------- selective
@@ -152,9 +410,71 @@ def selective_on_rank() -> None:
             assert saved.bytes == want, (
                 f"{what}, s={s} b={b} h={h} a={a}, block {i}: saves {saved.bytes} B, want s b (72 h + 16) x 2 "
                 f"= {want} B (q, k, v kept; scores, softmax, dropout mask and dropped probabilities recomputed)")
+        # the peak over forward and backward, measured: every block's share at the end of forward,
+        # and in backward at most one attention core (12 a s^2 b in fp32) rebuilt on top of it
+        model = memory_gpt(config, DROPOUT, selective=True, seed=rank).double()
+        peak = SavedPeak(model)
+        x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+        with peak.hooks():
+            out = x
+            for block in model.blocks:
+                out = block(out)
+            end_of_forward = peak.live_bytes()
+            out.sum().backward()
+        per_block, core = kept_bytes(s, b, h, a, selective=True), 3 * a * s * s * b * 8
+        assert end_of_forward == 2 * per_block and peak.peak <= 2 * per_block + core, (
+            f"{what}, s={s} b={b} h={h} a={a}, 2 blocks: saved bytes measured {end_of_forward} B at the end of "
+            f"forward (want 2 x {per_block}) and {peak.peak} B at the peak of backward (want at most "
+            f"{2 * per_block + core}: one attention core rebuilt at a time)")
 
 
 # ----------------------------------------------------------------------------- offload
+
+class WatchedPool:
+    """Watches an OffloadPool from outside (wrapping the methods it must go through: ``pack``,
+    ``_to_host``, ``_to_device``): weak references to every tensor autograd handed it (they must
+    die once forward is done: the device memory is freed) and to every copy brought back (they
+    must die once backward is past their layer), and a log of those copies interleaved with
+    backward entering each block (a gradient hook on the block's output)."""
+
+    def __init__(self, pool, model):
+        self.pool, self.log, self.handed, self.copies = pool, [], [], []
+        self.layer_of, self.current = {}, [None]
+        pack, to_host, to_device = pool.pack, pool._to_host, pool._to_device
+
+        def watched_pack(index, t):
+            self.current[0] = index
+            handle = pack(index, t)
+            if not (isinstance(handle, tuple) and handle and handle[0] == "kept"):
+                self.handed.append((index, StorageWeakRef(t.untyped_storage())))
+            return handle
+
+        def watched_to_host(t):
+            host = to_host(t)
+            self.layer_of[host.untyped_storage()._cdata] = (self.current[0], StorageWeakRef(host.untyped_storage()))
+            return host
+
+        def watched_to_device(t, device):
+            layer, _ = self.layer_of.get(t.untyped_storage()._cdata, (None, None))
+            copy = to_device(t, device)
+            self.copies.append((layer, StorageWeakRef(copy.untyped_storage()), copy.untyped_storage().nbytes()))
+            self.log.append(("copy", layer, self.live_copy_bytes()))
+            return copy
+
+        pool.pack, pool._to_host, pool._to_device = watched_pack, watched_to_host, watched_to_device
+        for i, block in enumerate(model.blocks):
+            block.register_forward_hook(lambda mod, args, out, i=i: self._watch_output(out, i))
+
+    def _watch_output(self, out, i):
+        if out.requires_grad:
+            out.register_hook(lambda grad: self.log.append(("enter", i, 0)))
+
+    def live_copy_bytes(self) -> int:
+        return sum(n for _, ref, n in self.copies if not ref.expired())
+
+    def new_step(self):
+        self.log, self.handed, self.copies = [], [], []
+
 
 def offload_on_rank() -> None:
     from labkit.recompute import OffloadPool, memory_gpt, offloaded_forward
@@ -163,37 +483,60 @@ def offload_on_rank() -> None:
     layers, (s, b, h, a) = CONFIG.n_layer, (8, 3, CONFIG.n_embd, CONFIG.n_head)
     layer_bytes = kept_bytes(s, b, h, a)
     plain = train(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank)
-    pools = []
+    model = memory_gpt(CONFIG, DROPOUT, seed=rank).double()
+    pool = OffloadPool(model, device="cpu")  # one pool for every step
+    watch = WatchedPool(pool, model)
 
     def forward(model, x, y):
-        pools.append(OffloadPool(model))
-        return offloaded_forward(model, pools[-1], x, y)[1]
-
-    def after_forward_check(model, x, y):
-        loss = forward(model, x, y)
-        pool = pools[-1]
+        watch.new_step()
+        pool.events.clear()
+        loss = offloaded_forward(model, pool, x, y)[1]
+        step = len(losses)
+        alive = sorted({i for i, ref in watch.handed if not ref.expired()})
+        assert watch.handed, (f"{what}, step {step}: nothing offloaded: the pool handed every saved tensor back "
+                              "to autograd as it was (kept)")
+        assert not alive, (
+            f"{what}, step {step}: after forward, tensors autograd saved in layers {alive} are still alive on the "
+            f"device ({len(watch.handed)} handed to the pool): offloading must drop every reference to them")
         assert pool.host_bytes == layers * layer_bytes and pool.device_bytes == 0, (
-            f"{what}: after forward the host holds {pool.host_bytes} B and the device {pool.device_bytes} B "
-            f"of saved activations; want {layers} layers x {layer_bytes} B on the host, 0 on the device")
+            f"{what}, step {step}: after forward the host holds {pool.host_bytes} B and the device "
+            f"{pool.device_bytes} B of saved activations; want {layers} layers x {layer_bytes} B on the host, 0 on the device")
         offloads = [e for e in pool.events if e[0] == "offload"]
         per_layer = [sum(e[2] for e in offloads if e[1] == i) for i in range(layers)]
-        assert per_layer == [layer_bytes] * layers, f"{what}: bytes offloaded per layer {per_layer}, want {layer_bytes} each"
+        assert per_layer == [layer_bytes] * layers, f"{what}, step {step}: bytes offloaded per layer {per_layer}, want {layer_bytes} each"
+        losses.append(loss)
         return loss
 
     def after_backward(step):
-        pool = pools[-1]
+        log = watch.log
+        enters = {i: n for n, (kind, i, _) in enumerate(log) if kind == "enter"}
+        assert sorted(enters) == list(range(layers)), f"{what}, step {step}: test set-up, blocks entered {log}"
+        for j in range(layers):
+            at = [n for n, (kind, i, _) in enumerate(log) if kind == "copy" and i == j]
+            assert at, f"{what}, step {step}: layer {j} never copied back to the device through _to_device ({log})"
+            assert at == list(range(at[0], at[0] + len(at))), (
+                f"{what}, step {step}: layer {j}'s copies are not brought back together ({log})")
+            if j < layers - 1:
+                assert enters[j + 1] < at[0] and at[-1] < enters[j], (
+                    f"{what}, step {step}: layer {j} copied back at log positions {at[0]}..{at[-1]}, backward entered "
+                    f"block {j + 1} at {enters[j + 1]} and block {j} at {enters[j]}: want it fetched ahead of "
+                    f"need (after block {j + 1} is entered, before block {j} is), never two layers ahead. Log: {log}")
+        assert sum(1 for e in log if e[0] == "copy") == len(watch.handed), (
+            f"{what}, step {step}: {sum(1 for e in log if e[0] == 'copy')} copies back for {len(watch.handed)} "
+            "tensors offloaded: each layer must come back once")
+        most = max(n for kind, _, n in log if kind == "copy")
+        assert most <= 2 * layer_bytes, (f"{what}, step {step}: {most} B of copies alive on the device at once, "
+                                         f"measured; at most two layers ({2 * layer_bytes} B)")
+        alive = sorted({layer for layer, ref, _ in watch.copies if not ref.expired()})
+        assert not alive, f"{what}, step {step}: after backward the copies of layers {alive} are still alive"
         back = [e for e in pool.events if e[0] != "offload"]
         want = [("fetch", layers - 1, layer_bytes)] + [("prefetch", i, layer_bytes) for i in reversed(range(layers - 1))]
-        assert back == want, (f"{what}, step {step}: backward brought layers back as {back}; want the last "
-                              f"layer fetched, then each earlier layer prefetched while the one after it runs: {want}")
-        assert pool.peak_device_bytes == 2 * layer_bytes, (
-            f"{what}, step {step}: at most two layers on the device at once ({2 * layer_bytes} B), "
-            f"peak was {pool.peak_device_bytes} B")
+        assert back == want, f"{what}, step {step}: the pool's events for backward {back}, want {want}"
         assert pool.host_bytes == 0, f"{what}, step {step}: {pool.host_bytes} B left on the host after backward"
 
-    got = train(memory_gpt(CONFIG, DROPOUT, seed=rank).double(), rank, forward=after_forward_check,
-                on_step=after_backward)
-    assert_same_training(got, plain, what + " vs no offloading")
+    losses = []
+    got = train(model, rank, forward=forward, on_step=after_backward)
+    assert_same_training(got, plain, what + f" vs no offloading (one pool over {STEPS} steps)")
 
 
 # ----------------------------------------------------------------------------- accumulate
@@ -203,34 +546,60 @@ def accumulate_on_rank() -> None:
     from labkit.recompute import accumulate
     rank, n = dist.get_rank(), dist.get_world_size()
     config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    model, ref = GPT(config, seed=5).double(), GPT(config, seed=5).double()
     with pytest.raises(ValueError):
-        accumulate(model, [], lambda m, x, y: m(x, y)[1])
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    micro = 3
-    for step in range(STEPS):
-        batches = {r: [tokens(r, 10 * step + j, batch=2) for j in range(micro)] for r in range(n)}
-        seen = []
+        accumulate(GPT(config), [], lambda m, x, y: m(x, y)[1])
+    # groups: every rank; then rank pairs ({0, 1} and {2, 3} at N = 4; {0, 2} and {1} alone at N = 3)
+    layouts = [("every rank", None, list(range(n)))]
+    if n >= 3:
+        pairs = [[0, 1], [2, 3]] if n == 4 else [[0, 2], [1]]
+        groups = [dist.new_group(ranks) for ranks in pairs]
+        mine = next(i for i, ranks in enumerate(pairs) if rank in ranks)
+        layouts.append((f"the pair {pairs[mine]}", groups[mine], pairs[mine]))
+    # micro-batch sizes (rows of 8 tokens) per rank: m = 1, 2, 3, equal and unequal
+    sizes_of = [lambda r: [3], lambda r: [2, 2], lambda r: [1, 3 + r % 2, 2]]
+    for where, group, members in layouts:
+        for sizes in sizes_of if group is None else sizes_of[2:]:
+            model, ref = GPT(config, seed=5).double(), GPT(config, seed=5).double()
+            for m in (model, ref):  # a frozen parameter and one the forward never uses: neither has a gradient
+                m.wpe.weight.requires_grad_(False)
+                m.unused = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+            for step in range(3):
+                batches = {r: [tokens(r, 10 * step + j, batch=size) for j, size in enumerate(sizes(r))] for r in range(n)}
+                micro = len(batches[rank])
+                what = (f"recompute.accumulate: rank {rank} of {n}, over {where}, step {step}, micro-batches of "
+                        f"{[x.shape[0] for x, _ in batches[rank]]} rows")
+                seen = []
 
-        def loss_fn(m, x, y):
-            seen.append(len(tracer.events))  # communication so far, before this micro-batch
-            return m(x, y)[1]
+                def loss_fn(m, x, y):
+                    seen.append(len(tracer.events))  # communication so far, before this micro-batch
+                    return m(x, y)[1]
 
-        opt.zero_grad()
-        with CommTracer() as tracer:
-            accumulate(model, batches[rank], loss_fn)
-        what = f"recompute.accumulate: rank {rank} of {n}, step {step}, {micro} micro-batches"
-        assert seen == [0] * micro, f"{what}: ops traced before each micro-batch {seen}; nothing may move before the last backward"
-        params = list(model.parameters())
-        want = [Op("all_reduce", p.numel() * 8) for p in params] if n > 1 else []
-        assert_ops(tracer, want, what + " (after the last micro-batch: one all-reduce per parameter gradient)")
-        ref_opt.zero_grad()
-        total = sum(ref(x, y)[1] for r in range(n) for x, y in batches[r]) / (n * micro)
-        total.backward()
-        for i, (p, r) in enumerate(zip(params, ref.parameters())):
-            assert_close(p.grad, r.grad, f"{what}: gradient of parameter {i} vs one batch of every rank's micro-batches")
-        opt.step()
-        ref_opt.step()
+                opt.zero_grad()
+                with CommTracer() as tracer:
+                    got = accumulate(model, batches[rank], loss_fn, group=group)
+                assert seen == [0] * micro, (f"{what}: ops traced before each micro-batch {seen}; nothing may move "
+                                             "before the last backward")
+                params = [p for p in model.parameters() if p.requires_grad and p is not model.unused]
+                want = [Op("all_reduce", p.numel() * 8, group=members) for p in params] if len(members) > 1 else []
+                assert_ops(tracer, want, what + " (after the last micro-batch: one all-reduce per parameter "
+                                                "gradient over the group, none for frozen or unused parameters)")
+                assert model.unused.grad is None and model.wpe.weight.grad is None, (
+                    f"{what}: the frozen or the unused parameter got a gradient")
+                # the reference: each rank's micro-batches as one batch (a mean over its tokens), ranks averaged
+                ref_opt.zero_grad()
+                own = [ref(torch.cat([x for x, _ in batches[r]]), torch.cat([y for _, y in batches[r]]))[1]
+                       for r in members]
+                (sum(own) / len(members)).backward()
+                assert_close(got, own[members.index(rank)].detach(),
+                             f"{what}: the loss returned vs the mean over this rank's tokens")
+                for i, (p, r) in enumerate(zip(model.parameters(), ref.parameters())):
+                    if r.grad is not None:
+                        assert_close(p.grad, r.grad, f"{what}: gradient of parameter {i} vs one batch of each "
+                                                     "rank's micro-batches (mean over its tokens), ranks averaged")
+                opt.step()
+                ref_opt.step()
 
 
 # ----------------------------------------------------------------------------- optimizer offload
@@ -241,41 +610,61 @@ def optimizer_offload_on_rank() -> None:
     from labkit.recompute import OffloadedAdamW
     rank = dist.get_rank()
     config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    model = GPT(config, seed=rank).to(torch.bfloat16)
-    params = list(model.parameters())
-    psi = sum(p.numel() for p in params)
-    opt = OffloadedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    what = f"recompute.optimizer_offload: rank {rank}"
-    host = opt.master + opt.exp_avg + opt.exp_avg_sq
-    assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host), (
-        f"{what}: master weights and both moments must be fp32 tensors on the host, got "
-        f"{sorted({(t.device.type, str(t.dtype)) for t in host})}")
-    assert tensor_bytes(host) == 12 * psi, f"{what}: host holds {tensor_bytes(host)} B, want 12 x {psi} (fp32 master + 2 moments)"
-    assert all(t.is_pinned() == torch.cuda.is_available() for t in opt.master), f"{what}: host master pinned iff CUDA"
-    ref_master = [p.detach().float().clone().requires_grad_(True) for p in params]
-    ref_opt = torch.optim.AdamW(ref_master, lr=1e-2, weight_decay=0.1)
-    for step in range(STEPS):
-        x, y = tokens(rank, step)
-        opt.zero_grad()
-        model(x, y)[1].backward()
-        grads = [p.grad.float() for p in params]
-        opt.step()
-        for w, g in zip(ref_master, grads):
-            w.grad = g
-        ref_opt.step()
-        assert opt.moved_bytes == (step + 1) * 4 * psi, (
-            f"{what}, step {step}: {opt.moved_bytes} B over the link so far, want (step + 1) x 4 x {psi} "
-            "(bf16 gradients down, bf16 parameters up)")
-        for i, (p, w, ref) in enumerate(zip(params, opt.master, ref_master)):
-            assert_close(w, ref.detach(), f"{what}, step {step}: fp32 master of parameter {i} vs torch.optim.AdamW")
-            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), w.to(torch.bfloat16)), (
-                f"{what}, step {step}: parameter {i} on the device must be its updated master cast to bf16")
+    with pytest.raises(ValueError):
+        OffloadedAdamW([nn.Parameter(torch.zeros(2), requires_grad=False)])
+    hyper = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model = GPT(config, seed=rank).to(dtype)
+        model.wpe.weight.requires_grad_(False)                         # frozen: not the optimizer's
+        model.sometimes = nn.Parameter(torch.ones(4, dtype=dtype))     # a gradient on even steps only
+        model.unused = nn.Parameter(torch.ones(2, dtype=dtype))        # never a gradient
+        params = [p for p in model.parameters() if p.requires_grad]
+        psi = sum(p.numel() for p in params)
+        opt = OffloadedAdamW(model.parameters(), **hyper)
+        what = f"recompute.optimizer_offload: rank {rank}, {dtype} model"
+        assert len(opt.master) == len(params), f"{what}: {len(opt.master)} masters for {len(params)} trainable parameters"
+        host = opt.master + opt.exp_avg + opt.exp_avg_sq
+        assert all(t.device.type == "cpu" and t.dtype == torch.float32 for t in host), (
+            f"{what}: master weights and both moments must be fp32 tensors on the host, got "
+            f"{sorted({(t.device.type, str(t.dtype)) for t in host})}")
+        assert tensor_bytes(host) == 12 * psi, f"{what}: host holds {tensor_bytes(host)} B, want 12 x {psi} (fp32 master + 2 moments)"
+        assert all(t.is_pinned() == torch.cuda.is_available() for t in opt.master), f"{what}: host master pinned iff CUDA"
+        ref_master = [p.detach().float().clone().requires_grad_(True) for p in params]
+        ref_opt = torch.optim.AdamW(ref_master, **hyper)
+        moved = 0
+        for step in range(STEPS):
+            x, y = tokens(rank, step)
+            opt.zero_grad()
+            loss = model(x, y)[1]
+            if step % 2 == 0:
+                loss = loss + (model.sometimes.float() ** 2).sum() * 0.1
+            loss.backward()
+            grads = [None if p.grad is None else p.grad.float() for p in params]
+            moved += sum(2 * p.grad.nbytes for p in params if p.grad is not None)
+            opt.step()
+            for w, g in zip(ref_master, grads):
+                w.grad = g
+            ref_opt.step()
+            assert opt.moved_bytes == moved, (
+                f"{what}, step {step}: {opt.moved_bytes} B over the link so far, want {moved} "
+                f"(each gradient down and each parameter up in the model's dtype, for parameters with a gradient)")
+            for i, (p, w, ref) in enumerate(zip(params, opt.master, ref_master)):
+                assert_close(w, ref.detach(), f"{what}, step {step}: fp32 master of parameter {i} vs torch.optim.AdamW "
+                                              f"{hyper} (each parameter's own step count)")
+                assert p.dtype == dtype and torch.equal(p.detach(), w.to(dtype)), (
+                    f"{what}, step {step}: parameter {i} on the device must be its updated master cast to {dtype}")
 
 
 @task("recompute.checkpoint", points=3)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_checkpoint(world_size):
     run_graded("recompute.checkpoint", checkpoint_on_rank, world_size, timeout=180)
+
+
+@task("recompute.segments", points=2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_segments(world_size):
+    run_graded("recompute.segments", segments_on_rank, world_size, timeout=120)
 
 
 @task("recompute.selective", points=2)
@@ -291,7 +680,7 @@ def test_offload(world_size):
 
 
 @task("recompute.accumulate", points=2)
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 4, 3])
 def test_accumulate(world_size):
     run_graded("recompute.accumulate", accumulate_on_rank, world_size, timeout=120)
 

@@ -20,8 +20,19 @@ named as such:
   in hand is computed (``assert_overlap`` on the timeline), unless the causal mask hides
   that block entirely. No collective at all.
 * Ulysses: 4 all-to-alls forward (q, k, v, out) and 4 backward, of one local shard each.
-At world size 4 each launch also runs the technique on two groups of 2 ([0, 1], [2, 3]),
-so that ops on the wrong group or to a group rank taken for a global one are seen.
+Subgroups: each launch that runs on subgroups (every Megatron launch; ring attention's
+causal zig-zag one; Ulysses' causal one) runs the technique on the world, then on the
+partitions of ``PARTITIONS``: at world size 4 both axes of a 2x2 grid, [0, 1] | [2, 3] and
+[0, 2] | [1, 3]; at world size 3, [0, 2] beside rank 1 alone in its own group (a bystander:
+it runs a group of one and communicates with nobody). So ops on the wrong group, to a
+group rank taken for a global one, or to a neighbour computed as if every group were a
+contiguous block of ranks, are seen. The group-taking functions, all graded that way:
+    gather_sequence / reduce_scatter_sequence / sequence_parallel_block / reduce_layernorm_grads
+        (sp.megatron), split_sequence (given, used by it)
+    ring_attention(..., group) and the given start_exchange / ring_neighbours (sp.ring_attention)
+    all_to_all / ulysses_attention(..., group) (sp.ulysses)
+Overlap (event order on the timeline): every forward exchange of ring attention is posted
+before the attention of the block in hand and waited on after it (world and subgroups).
 Memory: what ring attention keeps for backward per rank is 1/N of the unsharded one's
 (labkit.memory). Zig-zag gives every rank chunks r and 2N-1-r, the same causal work.
 """
@@ -43,7 +54,8 @@ from labkit.course.grading import run_graded, task
 WORLD_SIZES = [1, 2, 3, 4]
 B, HEADS, D = 2, 12, 4          # heads divide by 1..4 (Ulysses)
 ROWS = 6                        # rows per rank: T = 6 N, and 2N chunks of 3 for zig-zag
-PAIRS = ([0, 1], [2, 3])        # at world size 4, the technique also runs on these groups
+# Partitions of the world the technique also runs on, after the world (see the docstring).
+PARTITIONS = {4: [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], 3: [[[0, 2], [1]]]}
 # The computation of attention itself (a timeline's "compute" steps that overlap counts).
 ATTENTION_OPS = frozenset({"mm", "bmm", "baddbmm", "addmm", "matmul"} | {op for op in COMPUTE_OPS if "attention" in op})
 
@@ -54,13 +66,14 @@ def seeded(*shape, seed):
 
 
 def groups_to_check(subgroups: bool = True):
-    """(group, its global ranks) to run the technique on: every rank; and at world size 4
-    (when ``subgroups``) also the pair [0, 1] or [2, 3] this rank belongs to."""
+    """(group, its global ranks) to run the technique on: every rank; then (when
+    ``subgroups``) the group this rank belongs to in each partition of ``PARTITIONS``."""
     world = dist.get_world_size()
     yield None, list(range(world))
-    if subgroups and world == 4:
-        pairs = [dist.new_group(ranks) for ranks in PAIRS]  # every rank creates both
-        yield pairs[dist.get_rank() // 2], PAIRS[dist.get_rank() // 2]
+    for partition in PARTITIONS.get(world, []) if subgroups else []:
+        made = [dist.new_group(ranks) for ranks in partition]  # every rank creates every group
+        index = next(i for i, ranks in enumerate(partition) if dist.get_rank() in ranks)
+        yield made[index], partition[index]
 
 
 def where(members) -> str:

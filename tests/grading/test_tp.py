@@ -2,9 +2,15 @@
 
 Every check runs on every rank at tensor-parallel degrees 1-4, in float64, against the
 unsharded module in one process: outputs, input gradients, and the weight gradients
-gathered from every rank's slice; at world size 4 each is repeated over the pairs of ranks
-{0, 1} and {2, 3}, so that a part that ignores its group (and works over every rank)
-fails. The whole tensor-parallel GPT trains 5 AdamW steps next to the single-process GPT
+gathered from every rank's slice; each is repeated, in the same launch, over subgroups
+(``tp_groups``): at world size 4 both axes of a 2x2 grid, {0, 1} | {2, 3} and {0, 2} | {1, 3};
+at 3 the pair {0, 2} beside rank 1 alone in its own group (a bystander), so that a part that
+ignores its group (works over every rank) or takes its slice by global rank fails. The
+group-taking functions, each graded that way: copy_to_parallel / reduce_from_parallel (tp.f_g),
+ColumnParallelLinear (tp.column), RowParallelLinear (tp.row), ParallelMLP (tp.mlp),
+ParallelSelfAttention (tp.attention), the vocabulary-parallel embedding and loss (tp.vocab),
+tensor_parallel and full_state_dict (tp.model: over this rank's last subgroup). No task of
+this chapter claims overlap. The whole tensor-parallel GPT trains 5 AdamW steps next to the single-process GPT
 (tied and untied head), and next to the same GPT parallelised with PyTorch's
 ``parallelize_module``.
 
@@ -66,14 +72,21 @@ class Group:
         return "" if self.handle is None else f" (TP over the group {self.ranks})"
 
 
+PARTITIONS = {4: [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], 3: [[[0, 2], [1]]]}
+
+
 def tp_groups() -> list[Group]:
-    """The groups each check runs over: the world, and at world size 4 also the pairs {0, 1}
-    and {2, 3}: a layer must run over the group it was given, not over every rank."""
+    """The groups each check runs over: the world, then this rank's group in each partition of
+    ``PARTITIONS``: at world size 4 both axes of a 2x2 grid ({0, 1} | {2, 3} and {0, 2} | {1, 3}),
+    at 3 the pair {0, 2} beside rank 1 alone (a bystander: a group of one, no communication).
+    A layer must run over the group it was given, not over every rank, and find its slice from
+    its rank in the group (not the global rank, nor the global rank modulo the group's size)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     groups = [Group(None, range(n))]
-    if n == 4:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
-        groups.append(Group(pairs[rank // 2], (rank - rank % 2, rank - rank % 2 + 1)))
+    for partition in PARTITIONS.get(n, []):
+        made = [dist.new_group(ranks) for ranks in partition]  # every rank makes every group
+        index = next(i for i, ranks in enumerate(partition) if rank in ranks)
+        groups.append(Group(made[index], partition[index]))
     return groups
 
 

@@ -17,6 +17,14 @@ MUTANTS = [
     Mutant("compress.fp16", "ignores_the_group", "all-reduces over the world whatever process_group it is given",
            find="dist.all_reduce(compressed, group=process_group, async_op=True)",
            replace="dist.all_reduce(compressed, async_op=True)"),
+    Mutant("compress.fp16", "divides_by_the_world", "all-reduces over the group but divides by the world's size",
+           find="compressed = buffer.to(dtype).div_(_group_size(process_group))",
+           replace="compressed = buffer.to(dtype).div_(_group_size(None))"),
+    Mutant("compress.fp16", "always_fp16", "casts to fp16 whatever dtype it is asked for (bf16 never used)",
+           find="compressed = buffer.to(dtype).div_(", replace="compressed = buffer.to(torch.float16).div_("),
+    Mutant("compress.fp16", "blocks", "waits for its all-reduce and returns a completed future: DDP's backward stalls",
+           find="    return future.then(decompress)\n    # END SOLUTION",
+           replace="    future.wait()\n    return completed(decompress(future))\n    # END SOLUTION"),
     Mutant("compress.fp16", "torchs_hook", "calls torch's own hook (forbidden: it is the oracle)",
            find="    buffer = bucket.buffer()\n    compressed = buffer.to(dtype)",
            replace="    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
@@ -26,22 +34,61 @@ MUTANTS = [
     # compress.powersgd
     Mutant("compress.powersgd", "no_error_feedback", "never adds last step's error back: what compression drops is lost",
            find="            buffer.add_(state.error_dict[index])\n", replace="            pass\n"),
+    Mutant("compress.powersgd", "error_feedback_always", "keeps and adds the error even when use_error_feedback is off",
+           find="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n    if state.use_error_feedback:",
+           replace="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n"
+                   "    state.use_error_feedback = True  # the option ignored\n    if state.use_error_feedback:"),
+    Mutant("compress.powersgd", "error_not_carried", "computes the error but from the gradient before the old error was added",
+           find="        intended = buffer.clone()\n",
+           replace="        intended = buffer.clone() - state.error_dict.get(index, 0)\n"),
     Mutant("compress.powersgd", "no_orthogonalisation", "skips orthogonalising P: P Q^T is no longer a projection of M",
-           find="        orthogonalize(p, state.orthogonalization_epsilon)\n        torch.matmul(matrix.t(), p, out=q)\n",
-           replace="        torch.matmul(matrix.t(), p, out=q)\n"),
+           find="            orthogonalize(p, state.orthogonalization_epsilon)\n            torch.matmul(matrix.t(), p, out=q)\n",
+           replace="            torch.matmul(matrix.t(), p, out=q)\n"),
     Mutant("compress.powersgd", "no_warm_start", "draws a fresh random Q every step instead of continuing from the last",
            find="fresh = not state.warm_start or index not in state.q_memory_dict", replace="fresh = True"),
+    Mutant("compress.powersgd", "warm_start_ignored", "always continues from last step's Q, even with warm_start=False",
+           find="    fresh = not state.warm_start or index not in state.q_memory_dict\n",
+           replace="    state.warm_start = True  # the option ignored\n"
+                   "    fresh = not state.warm_start or index not in state.q_memory_dict\n"),
+    Mutant("compress.powersgd", "warm_start_keeps_memory", "with warm_start=False draws fresh Qs but never frees P and Q "
+           "(torch's state holds none between steps)",
+           find="        if not state.warm_start:\n            state.p_memory_dict.clear()\n",
+           replace="        if False:\n            state.p_memory_dict.clear()\n"),
+    Mutant("compress.powersgd", "epsilon_ignored", "orthogonalises P and Q without orthogonalization_epsilon",
+           find="            orthogonalize(p, state.orthogonalization_epsilon)\n",
+           replace="            orthogonalize(p)\n"),
+    Mutant("compress.powersgd", "gram_schmidt_no_epsilon", "orthogonalize divides by the norm alone: a zero column becomes NaN",
+           find="        column /= torch.linalg.vector_norm(column) + epsilon\n",
+           replace="        column /= torch.linalg.vector_norm(column)\n"),
+    Mutant("compress.powersgd", "bucket_order_layout", "lays out P and Q, and draws the Qs, in bucket order instead of "
+           "grouped by shape: differs from torch on every transformer",
+           find="            by_shape.setdefault(tuple(matrix.shape), []).append(matrix)\n",
+           replace="            by_shape.setdefault(len(by_shape), []).append(matrix)\n"),
     Mutant("compress.powersgd", "q_not_averaged", "forgets to divide the summed Q by N: the update is N times too big",
-           find="    state.q_memory_dict[index] /= world\n", replace=""),
+           find="        q_all.div_(world)\n", replace=""),
     Mutant("compress.powersgd", "rank_plus_one", "uses one rank more than asked: more bytes than r(n + m)",
-           find="rank = min(*matrix.shape, state.matrix_approximation_rank)",
-           replace="rank = min(*matrix.shape, state.matrix_approximation_rank + 1)"),
+           find="        rank = min(*matrix.shape, state.matrix_approximation_rank)\n        if should",
+           replace="        rank = min(*matrix.shape, state.matrix_approximation_rank + 1)\n        if should"),
+    Mutant("compress.powersgd", "rank_one_always", "compresses at rank 1 whatever matrix_approximation_rank says",
+           find="    ranks = [min(*matrix.shape, state.matrix_approximation_rank) for matrix in matrices]\n",
+           replace="    ranks = [1 for matrix in matrices]\n"),
+    Mutant("compress.powersgd", "rate_ignored", "decides what to compress with a rate of 2 whatever min_compression_rate says",
+           find="        if should_compress(*matrix.shape, rank, state.min_compression_rate):\n",
+           replace="        if should_compress(*matrix.shape, rank, 2):\n"),
     Mutant("compress.powersgd", "compress_vectors", "compresses every tensor, biases and tiny matrices too",
            find="        if should_compress(*matrix.shape, rank, state.min_compression_rate):\n",
            replace="        if True:\n"),
     Mutant("compress.powersgd", "p_over_world", "all-reduces P over the world instead of the state's process group",
-           find="dist.all_reduce(state.p_memory_dict[index], group=group)",
-           replace="dist.all_reduce(state.p_memory_dict[index])"),
+           find="dist.all_reduce(p_all, group=group, async_op=True)",
+           replace="dist.all_reduce(p_all, async_op=True)"),
+    Mutant("compress.powersgd", "divides_by_the_world", "divides by the world's size, not the group's",
+           find="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n    if state.use_error_feedback:",
+           replace="    world = _group_size(None)\n    buffer, index = bucket.buffer(), bucket.index()\n    if state.use_error_feedback:"),
+    Mutant("compress.powersgd", "iter_not_advanced", "never advances state.iter after a compressed step",
+           find="        state.maybe_increase_iter(bucket)\n        return buffer\n", replace="        return buffer\n"),
+    Mutant("compress.powersgd", "blocks", "waits for its collectives and returns a completed future: DDP's backward stalls",
+           find="    return after(both, compute_qs).then(decompress)\n",
+           replace="    both.wait()\n    compute_qs(both).wait()\n    return completed(decompress(None))\n"),
     Mutant("compress.powersgd", "gram_schmidt_no_projection", "normalises the columns but does not remove the earlier ones",
            find="        rest -= column * (column * rest).sum(dim=0, keepdim=True)\n", replace=""),
     # compress.topk
@@ -49,31 +96,56 @@ MUTANTS = [
            find="    if index in state.error_dict:\n        buffer.add_(state.error_dict[index])\n", replace=""),
     Mutant("compress.topk", "k_plus_one", "sends one value more than k = ratio x numel",
            find="k = topk_count(buffer.numel(), state.ratio)", replace="k = topk_count(buffer.numel(), state.ratio) + 1"),
+    Mutant("compress.topk", "k_floor_zero", "k = int(ratio x numel) without the floor of 1: a bucket smaller than 1/ratio sends nothing",
+           find="k = topk_count(buffer.numel(), state.ratio)", replace="k = int(state.ratio * buffer.numel())"),
     Mutant("compress.topk", "all_reduce_dense", "scatters its k values into a dense buffer and all-reduces that: right sum, full bytes",
-           find="    dist.all_gather_single(all_indices, indices, group=group)\n"
-                "    dist.all_gather_single(all_values, values, group=group)\n"
-                "    buffer.zero_().index_add_(0, all_indices, all_values)\n",
-           replace="    buffer.zero_()[indices] = values\n    dist.all_reduce(buffer, group=group)\n"),
+           find="    gathered = [dist.all_gather_single(all_indices, indices, group=group, async_op=True).get_future(),\n"
+                "                dist.all_gather_single(all_values, values, group=group, async_op=True).get_future()]\n",
+           replace="    dense = torch.zeros_like(buffer)\n    dense[indices] = values\n"
+                   "    gathered = [dist.all_reduce(dense, group=group, async_op=True).get_future()]\n"
+                   "    all_indices, all_values = torch.arange(buffer.numel()), dense\n"),
     Mutant("compress.topk", "no_divide", "sums the sparse contributions and never divides by N",
-           find="    buffer.div_(world)\n    return completed(buffer)\n    # END SOLUTION\n\n\n# ---", replace="    return completed(buffer)\n    # END SOLUTION\n\n\n# ---"),
+           find="        buffer.div_(world)\n        return buffer\n", replace="        return buffer\n"),
+    Mutant("compress.topk", "overwrites_duplicates", "assigns the pairs instead of adding them: two ranks' values at one index, one is lost",
+           find="buffer.zero_().index_add_(0, all_indices, all_values)", replace="buffer.zero_()[all_indices] = all_values"),
     Mutant("compress.topk", "largest_signed", "keeps the k largest signed values, not the largest magnitudes",
            find="indices = buffer.abs().topk(k).indices", replace="indices = buffer.topk(k).indices"),
     Mutant("compress.topk", "error_not_zeroed", "keeps the sent values in the error too: they are sent again next step",
            find="    error[indices] = 0\n", replace=""),
+    Mutant("compress.topk", "ignores_the_group", "all-gathers over the world whatever the state's process group",
+           find="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n    if index in state.error_dict:",
+           replace="    group, world = None, _group_size(None)\n    buffer, index = bucket.buffer(), bucket.index()\n"
+                   "    if index in state.error_dict:"),
+    Mutant("compress.topk", "blocks", "waits for its all-gathers and returns a completed future: DDP's backward stalls",
+           find="    return torch.futures.collect_all(gathered).then(scatter_add)\n",
+           replace="    torch.futures.wait_all(gathered)\n    return completed(scatter_add(None))\n"),
     # compress.hierarchical
     Mutant("compress.hierarchical", "across_over_world", "all-reduces the shard over the whole world instead of across nodes",
-           find="dist.all_reduce(part, group=groups.across)", replace="dist.all_reduce(part)"),
+           find="dist.all_reduce(part, group=groups.across, async_op=True)", replace="dist.all_reduce(part, async_op=True)"),
     Mutant("compress.hierarchical", "no_all_gather", "skips the all-gather: each rank holds only its own shard's sum",
-           find="    dist.all_gather_single(padded, part, group=groups.inside)\n",
-           replace="    padded.zero_()[dist.get_rank(groups.inside) * shard:][:shard] = part\n"),
+           find="    gathered = after(summed, lambda _: dist.all_gather_single(padded, part, group=groups.inside,\n"
+                "                                                              async_op=True).get_future())\n",
+           replace="    gathered = summed\n    padded.zero_()\n"
+                   "    summed.then(lambda _: padded[dist.get_rank(groups.inside) * shard:][:shard].copy_(part))\n"),
     Mutant("compress.hierarchical", "flat_all_reduce", "one flat all-reduce of the whole tensor: right sum, slow links carry it all",
-           find="    dist.reduce_scatter_single(part, padded, group=groups.inside)\n"
-                "    dist.all_reduce(part, group=groups.across)\n"
-                "    dist.all_gather_single(padded, part, group=groups.inside)\n",
-           replace="    dist.all_reduce(padded)\n"),
+           find="    scattered = future_of(dist.reduce_scatter_single(part, padded, group=groups.inside, async_op=True))\n"
+                "    summed = after(scattered, lambda _: dist.all_reduce(part, group=groups.across, async_op=True).get_future())\n"
+                "    gathered = after(summed, lambda _: dist.all_gather_single(padded, part, group=groups.inside,\n"
+                "                                                              async_op=True).get_future())\n",
+           replace="    gathered = dist.all_reduce(padded, async_op=True).get_future()\n"),
     Mutant("compress.hierarchical", "whole_buffer_across", "all-reduces the whole node sum across nodes, not the shard",
-           find="    dist.all_reduce(part, group=groups.across)\n    dist.all_gather_single(padded, part, group=groups.inside)\n",
-           replace="    dist.all_gather_single(padded, part, group=groups.inside)\n    dist.all_reduce(padded, group=groups.across)\n"),
+           find="    summed = after(scattered, lambda _: dist.all_reduce(part, group=groups.across, async_op=True).get_future())\n"
+                "    gathered = after(summed, lambda _: dist.all_gather_single(padded, part, group=groups.inside,\n"
+                "                                                              async_op=True).get_future())\n",
+           replace="    summed = after(scattered, lambda _: dist.all_gather_single(padded, part, group=groups.inside,\n"
+                   "                                                              async_op=True).get_future())\n"
+                   "    gathered = after(summed, lambda _: dist.all_reduce(padded, group=groups.across, async_op=True).get_future())\n"),
+    Mutant("compress.hierarchical", "blocks", "always waits for the three steps and hands back a completed future: the hook stalls DDP",
+           find="    if async_op:\n        return future\n    future.wait()\n",
+           replace="    future.wait()\n    if async_op:\n        return completed(tensor)\n"),
+    Mutant("compress.hierarchical", "not_padded", "reduce-scatters the unpadded tensor: sizes that L does not divide lose their tail",
+           find="    shard = -(-flat.numel() // groups.ranks_per_node)\n",
+           replace="    shard = max(1, flat.numel() // groups.ranks_per_node)\n"),
 ]
 
 # ----------------------------------------------------------------------------- collective matmul
@@ -112,6 +184,11 @@ MUTANTS += [
     Mutant("compress.ag_matmul", "no_reduce_in_backward", "backward keeps only its own chunk's grad_y W_r: the other ranks' contributions to grad_x are lost",
            find="        grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk\n",
            replace="        grad_x = grads[dist.get_rank(ctx.group)] @ weight\n"),
+    Mutant("compress.ag_matmul", "global_rank_as_index", "files chunks by its global rank, not its rank in the group",
+           find="    n, me = dist.get_world_size(group), dist.get_rank(group)\n    to_rank, from_rank = ring_peers(group)\n"
+                "    outputs, chunks = [None] * n, [None] * n\n",
+           replace="    n, me = dist.get_world_size(group), dist.get_rank() % dist.get_world_size(group)\n"
+                   "    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n"),
     Mutant("compress.ag_matmul", "world_ring", "takes its ring neighbours in the world, whatever group the layer is on",
            find="    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n",
            replace="    to_rank, from_rank = ring_peers(None)\n    outputs, chunks = [None] * n, [None] * n\n"),

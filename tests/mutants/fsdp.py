@@ -15,6 +15,14 @@ _BACKWARD_PREFETCH = """        order = self.schedule.post_forward_order[::-1]
 
 MUTANTS = [
     # fsdp.shard
+    Mutant("fsdp.shard", "world_rank_and_size",
+           "cuts the shard of the global rank among all ranks, not of the group rank among the unit's group",
+           find="shard_param(original.detach(), self.rank, self.world)",
+           replace="shard_param(original.detach(), dist.get_rank(), dist.get_world_size())"),
+    Mutant("fsdp.shard", "global_rank_mod_group_size",
+           "global rank modulo the group's size: the group rank of contiguous groups ({0,1},{2,3}) only",
+           find="shard_param(original.detach(), self.rank, self.world)",
+           replace="shard_param(original.detach(), dist.get_rank() % self.world, self.world)"),
     Mutant("fsdp.shard", "floor_rows", "R = rows // N (floor): the last rows of a parameter are lost",
            find="    rows = rows_per_rank(full.shape[0], world)\n    shard = full.new_zeros(",
            replace="    rows = max(full.shape[0] // world, 1)\n    shard = full.new_zeros("),

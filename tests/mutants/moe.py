@@ -55,3 +55,73 @@ MUTANTS = [
            find="        dist.all_reduce(p.grad, group=grid.group(DP_AXIS) if id(p) in experts else None)\n        p.grad /= n\n",
            replace="        if id(p) not in experts:\n            dist.all_reduce(p.grad)\n            p.grad /= n\n"),
 ]
+
+# Wrong implementations the first version of the tests (defaults only: the world group, float64,
+# k = 2 in the layer, no frozen parameter, ordinary logits) let through; each names what the
+# reshaped tests exercise to kill it.
+MUTANTS += [
+    # moe.router
+    Mutant("moe.router", "k1_renormalised", "renormalises at k = 1 too: every weight is 1, the router learns nothing "
+           "from the task loss (k = 1 must keep the probability, as Switch does)",
+           find="    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+           replace="    weights = weights / weights.sum(dim=-1, keepdim=True)\n"),
+    Mutant("moe.router", "softmax_over_topk_logits", "Mixtral's form, softmax over the k chosen logits: the same for "
+           "k >= 2, a constant weight of 1 at k = 1",
+           find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+           replace="    top_logits, experts = logits.topk(k, dim=-1)\n    weights = top_logits.softmax(dim=-1)\n"),
+    Mutant("moe.router", "naive_softmax", "softmax as exp / sum exp without subtracting the max: NaN once logits "
+           "overflow exp (about 89 in float32)",
+           find="    probs = logits.softmax(dim=-1)\n",
+           replace="    probs = logits.exp() / logits.exp().sum(dim=-1, keepdim=True)\n"),
+    Mutant("moe.router", "naive_z_loss", "log(sum(exp)) instead of logsumexp: inf once logits overflow exp",
+           find="return torch.logsumexp(logits, dim=-1).pow(2).mean()",
+           replace="return logits.exp().sum(dim=-1).log().pow(2).mean()"),
+    Mutant("moe.router", "router_in_fp32", "computes the router in (at least) float32 'for stability' and returns "
+           "float32 logits, probs and weights for bfloat16 / float16 tokens",
+           find="    logits = x @ gate_weight.t()\n",
+           replace="    wide = torch.promote_types(x.dtype, torch.float32)\n"
+                   "    logits = x.to(wide) @ gate_weight.to(wide).t()\n"),
+    Mutant("moe.router", "bincount_no_minlength", "bincount without minlength: f is shorter than P when the last "
+           "experts get no choice, and broadcasts into the wrong loss",
+           find="torch.bincount(experts.reshape(-1), minlength=num_experts)",
+           replace="torch.bincount(experts.reshape(-1))"),
+    # moe.capacity
+    Mutant("moe.capacity", "float_capacity", "ceil by floor division of negatives: a float (7.0), not the int row count",
+           find="return math.ceil(capacity_factor * k * tokens / num_experts)",
+           replace="return -(-capacity_factor * k * tokens // num_experts)"),
+    Mutant("moe.capacity", "k_hardcoded_2", "reshapes the mask to [T, 2]: right only for top-2",
+           find="return (position < capacity).reshape(experts.shape)",
+           replace="return (position < capacity).reshape(-1, 2)"),
+    # moe.dispatch
+    Mutant("moe.dispatch", "backward_on_world", "the backward all-to-all forgets the group: right only on the world",
+           find="return AllToAll.forward(ctx, grad, input_splits, output_splits, ctx.group)",
+           replace="return AllToAll.forward(ctx, grad, input_splits, output_splits, None)"),
+    Mutant("moe.dispatch", "counts_on_world", "exchange_counts runs on the world, not the group",
+           find="    dist.all_to_all_single(received, counts.contiguous(), group=group)\n",
+           replace="    dist.all_to_all_single(received, counts.contiguous())\n"),
+    Mutant("moe.dispatch", "forward_on_world", "the forward all-to-all forgets the group: right only on the world",
+           find="dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)",
+           replace="dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits)"),
+    Mutant("moe.dispatch", "not_contiguous", "sends x as it is: a strided view goes out as its underlying storage",
+           find="dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)",
+           replace="dist.all_to_all_single(out, x, output_splits, input_splits, group=group)"),
+    # moe.layer
+    Mutant("moe.layer", "dispatch_on_world", "dispatches over the world instead of the layer's group",
+           find="rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, self.group)",
+           replace="rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, None)"),
+    Mutant("moe.layer", "counts_on_world", "exchanges the counts over the world instead of the layer's group",
+           find="received = exchange_counts(counts, self.group)", replace="received = exchange_counts(counts)"),
+    Mutant("moe.layer", "routed_rows_swapped", "records (received, sent) in routed_rows",
+           find="self.routed_rows = (sum(send_splits), sum(recv_splits))",
+           replace="self.routed_rows = (sum(recv_splits), sum(send_splits))"),
+    Mutant("moe.layer", "k_hardcoded_2", "each token's choices as token index repeated twice: right only for top-2",
+           find="token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]",
+           replace="token_of = torch.arange(tokens.shape[0]).repeat_interleave(2)[keep.reshape(-1)]"),
+    # moe.ep_dp
+    Mutant("moe.ep_dp", "frozen_not_skipped", "all-reduces every parameter's .grad: a frozen or unused one has None",
+           find="        if p.grad is None:\n            continue\n", replace=""),
+    Mutant("moe.ep_dp", "reverse_order", "all-reduces in reverse parameter order (as DDP's buckets do), not in "
+           "model.parameters() order as the docstring states",
+           find="    for p in model.parameters():\n        if p.grad is None:",
+           replace="    for p in reversed(list(model.parameters())):\n        if p.grad is None:"),
+]

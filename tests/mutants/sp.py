@@ -81,6 +81,18 @@ MUTANTS = [
            find="    return stacked.index_select(dim, torch.argsort(order).to(stacked.device))",
            replace="    return stacked.index_select(dim, order.to(stacked.device))"),
     # ------------------------------------------------------------------ sp.ring_attention
+    Mutant("sp.ring_attention", "contiguous_group_ring",
+           "computes the ring's neighbours as if the group were a contiguous block of ranks "
+           "(first rank = my rank - my group rank): right on the world and on [0,1] | [2,3] only",
+           find="            pending = start_exchange(list(block), group) if step < n - 1 else None\n",
+           replace="            pending = None\n"
+                   "            if step < n - 1:\n"
+                   "                me, base = dist.get_rank(group), dist.get_rank() - dist.get_rank(group)\n"
+                   "                to_rank, from_rank = base + (me + 1) % n, base + (me - 1) % n\n"
+                   "                received = [torch.empty_like(t) for t in block]\n"
+                   "                ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group) for t in block]\n"
+                   "                ops += [dist.P2POp(dist.irecv, r, from_rank, group) for r in received]\n"
+                   "                pending = received, dist.batch_isend_irecv(ops)\n"),
     Mutant("sp.ring_attention", "waits_before_computing",
            "waits for each K/V exchange before computing on the block in hand: no overlap at all",
            find="            pending = start_exchange(list(block), group) if step < n - 1 else None\n"

@@ -171,6 +171,12 @@ MUTANTS = [
     Mutant("tp.vocab", "loss_slice_of_the_world", "the loss finds its vocabulary slice from its rank in the world, not in the group",
            find="        world, rank = degree_and_rank(group)\n        start = rank * logits.shape[-1]\n",
            replace="        world, rank = degree_and_rank()\n        start = rank * logits.shape[-1]\n"),
+    Mutant("tp.vocab", "loss_slice_global_rank_mod",
+           "the loss's vocabulary slice from the global rank modulo the group's size: the group rank of "
+           "contiguous groups ({0,1} | {2,3}) only",
+           find="        world, rank = degree_and_rank(group)\n        start = rank * logits.shape[-1]\n",
+           replace="        world = dist.get_world_size(group)\n        rank = dist.get_rank() % world\n"
+                   "        start = rank * logits.shape[-1]\n"),
     # tp.model
     Mutant("tp.model", "unties_head",
            "always gives the GPT a ColumnParallelLinear head: a tied table gets two copies",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench.runner import BenchRow, race_training_steps, row
+from labkit.course.bench.runner import BenchRow, divides, race_training_steps, row
 from labkit.launch import launch
 from labkit.oracles import (
     TP_BENCH_GPT,
@@ -40,7 +40,8 @@ def _tp_vs_parallelize_module(repeats: int, batch: int) -> dict:
                 rank_bytes=param_bytes(ours))
 
 
-@row("tp")
+@row("tp", divides(TP_BENCH_GPT["n_head"], TP_BENCH_GPT["n_embd"], TP_BENCH_GPT["vocab_size"]),
+     "its 8 heads, 256 channels and 512 words split evenly over the ranks")
 def tp_row(repeats: int = 15, world_size: int = 2, batch: int = 8) -> BenchRow:
     """the learner's tensor parallelism (chapter 05) vs parallelize_module"""
     r = launch(_tp_vs_parallelize_module, world_size, repeats, batch, timeout=600)[0]

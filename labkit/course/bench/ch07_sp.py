@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench.runner import BenchRow, row
+from labkit.course.bench.runner import BenchRow, divides, row
 from labkit.launch import launch
 from labkit.oracles import SP_BENCH_GPT, builtin_sequence_parallel
 from labkit.timing import interleaved_medians
@@ -104,19 +104,22 @@ def _attention_row(kind: str, repeats: int, world_size: int) -> BenchRow:
                     r["ours"], r["builtin"], r["sent"], r["formula"], extra=extra)
 
 
-@row("sp_ring")
+@row("sp_ring", divides(SP_ATTENTION["tokens"]),
+     "its 2048 tokens split evenly over the ranks")
 def sp_ring_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
     """ring attention with contiguous rows (chapter 07) vs unsharded SDPA; zig-zag beside it"""
     return _attention_row("ring", repeats, world_size)
 
 
-@row("sp_ring_zigzag")
+@row("sp_ring_zigzag", divides(SP_ATTENTION["tokens"] // 2),
+     "its 2048 tokens split into 2N equal zig-zag chunks")
 def sp_ring_zigzag_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
     """ring attention with zig-zag rows (chapter 07) vs unsharded SDPA; contiguous beside it"""
     return _attention_row("ring_zigzag", repeats, world_size)
 
 
-@row("sp_ulysses")
+@row("sp_ulysses", divides(SP_ATTENTION["tokens"], SP_ATTENTION["heads"]),
+     "its 8 heads and 2048 tokens split evenly over the ranks")
 def sp_ulysses_row(repeats: int = 7, world_size: int = 2) -> BenchRow:
     """Ulysses (chapter 07) vs unsharded SDPA"""
     return _attention_row("ulysses", repeats, world_size)
@@ -159,7 +162,8 @@ def _megatron_sp_vs_builtin(repeats: int, batch: int) -> dict:
     return dict(medians, sent=sent, formula=(8 * activation + 2 * replicated) * (n - 1) / n)
 
 
-@row("sp_megatron")
+@row("sp_megatron", divides(SP_BENCH_GPT["n_head"], SP_BENCH_GPT["block_size"]),
+     "its 8 heads and 512 tokens split evenly over the ranks")
 def sp_megatron_row(repeats: int = 10, world_size: int = 2, batch: int = 4) -> BenchRow:
     """the Megatron-SP block (chapter 07) vs torch's SequenceParallel plan"""
     r = launch(_megatron_sp_vs_builtin, world_size, repeats, batch, timeout=600)[0]

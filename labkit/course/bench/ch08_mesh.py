@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from labkit.course.bench.runner import BenchRow, race_training_steps, row
+from labkit.course.bench.runner import BenchRow, divides, race_training_steps, row
 from labkit.launch import launch
 from labkit.oracles import MESH_BENCH_GPT, builtin_2d, loss_parallel
 
@@ -34,7 +34,8 @@ def _2d_vs_builtin(repeats: int, dp: int, tp: int, batch: int) -> dict:
     return dict(medians, sent=sent, formula=formula)
 
 
-@row("mesh")  # formula: TP's all-reduces (chapter 05) + FSDP's 3 (N-1)/N of the padded shards (chapter 04)
+@row("mesh", lambda n: n % 2 == 0 and divides(MESH_BENCH_GPT["n_head"])(n // 2),
+     "dp = 2 times a tp that divides its 4 heads")  # formula: TP's all-reduces (chapter 05) + FSDP's 3 (N-1)/N of the padded shards (chapter 04)
 def mesh_row(repeats: int = 10, world_size: int = 4, batch: int = 4) -> BenchRow:
     """2-D FSDP x TP from the learner's parts (chapter 08) vs fully_shard + parallelize_module"""
     dp, tp = 2, world_size // 2

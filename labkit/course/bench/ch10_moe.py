@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench.runner import BenchRow, row
+from labkit.course.bench.runner import BenchRow, divides, row
 from labkit.launch import launch
 from labkit.timing import interleaved_medians
 
@@ -42,7 +42,8 @@ def _ep_vs_one_process(repeats: int) -> dict:
     return dict(medians, traced=traced, formula=e * 8 + 4 * rows, balanced=balanced)
 
 
-@row("moe_ep")
+@row("moe_ep", divides(MOE_BENCH["experts"]),
+     "its 8 experts split evenly over the ranks")
 def moe_ep_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
     """expert-parallel MoE layer (chapter 10) vs the same layer in one process"""
     r = launch(_ep_vs_one_process, world_size, repeats, timeout=600)[0]
@@ -52,7 +53,8 @@ def moe_ep_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
                     extra=dict(balanced_formula=r["balanced"]))
 
 
-@row("moe_ep4")
+@row("moe_ep4", divides(MOE_BENCH["experts"]),
+     "its 8 experts split evenly over the ranks")
 def moe_ep4_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
     """expert-parallel MoE layer on 4 ranks (chapter 10) vs the same layer in one process"""
     return moe_ep_row(repeats, world_size)

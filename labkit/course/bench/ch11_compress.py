@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.course.bench.runner import BenchRow, race_training_steps, rank_batch, row
+from labkit.course.bench.runner import BenchRow, divides, race_training_steps, rank_batch, row
 from labkit.launch import launch
 from labkit.timing import interleaved_medians
 
@@ -150,7 +150,8 @@ def _collective_matmul_vs_unsplit(repeats: int) -> dict:
     return dict(medians, traced=sent["ours"], formula=formula, builtin_bytes=sent["builtin"], exposed_wait_s=clock.seconds)
 
 
-@row("collective_matmul")
+@row("collective_matmul", divides(CM_SEQ, 4 * CM_EMBD),
+     "its 256 tokens and 1024 hidden channels split evenly over the ranks")
 def collective_matmul_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
     """an MLP block's forward + backward on your collective matmuls (chapter 11) vs the chapter-05 layers + unsplit all-gather / reduce-scatter"""
     r = launch(_collective_matmul_vs_unsplit, world_size, repeats, timeout=600)[0]

@@ -49,7 +49,8 @@ def _latency(repeats: int) -> dict:
     return dict(medians, sent=tracer.totals()["sent"])
 
 
-@row("rpc_latency")
+@row("rpc_latency", lambda n: n >= 2,
+     "a round trip needs 2 ranks")
 def rpc_latency_row(repeats: int = 51, world_size: int = 2) -> BenchRow:
     """a round trip by rpc_sync vs a gloo send + send back of the same 8 bytes"""
     r = launch(_latency, world_size, repeats, rpc=True)[0]
@@ -105,7 +106,8 @@ def _servers(repeats: int, iterations: int) -> dict:
                 ch01_sent=(p2p.sent_bytes()) / iterations, grad_bytes=params * 4)
 
 
-@row("rpc_parameter_server")
+@row("rpc_parameter_server", lambda n: n >= 2,
+     "a server and at least one trainer")
 def rpc_parameter_server_row(repeats: int = 5, world_size: int = 3, iterations: int = 5) -> BenchRow:
     """one iteration of the synchronous batching server (RPC) vs chapter 01's (send/recv)"""
     r = launch(_servers, world_size, repeats, iterations, rpc=True)[1]

@@ -35,14 +35,36 @@ class BenchRow:
 
 
 ROWS: dict[str, callable] = {}
+SIZES: dict[str, tuple[callable, str]] = {}   # row -> (accepts(world_size), why), for rows that cannot take any N
 
 
-def row(name: str):
-    """Register a benchmark row under ``name``."""
+def row(name: str, sizes=None, because: str = ""):
+    """Register a benchmark row under ``name``; ``sizes(n)`` False: the row cannot run on n
+    ranks (``because`` says why), and ``run`` skips it with a line instead of launching."""
     def register(fn):
         ROWS[name] = fn
+        if sizes is not None:
+            SIZES[name] = (sizes, because)
         return fn
     return register
+
+
+def divides(*numbers: int):
+    """``sizes`` for a row whose shapes split evenly over the ranks: n divides every number."""
+    return lambda n: n >= 1 and all(number % n == 0 for number in numbers)
+
+
+def size_problem(name: str, world_size: int | None) -> str | None:
+    """Why row ``name`` cannot run on ``world_size`` ranks, or None."""
+    if world_size is None:
+        return None
+    if world_size < 1:
+        return "a world size is at least 1"
+    accepts, because = SIZES.get(name, (lambda n: True, ""))
+    if accepts(world_size):
+        return None
+    fits = [str(n) for n in range(1, 17) if accepts(n)]
+    return f"{because}; it runs on {', '.join(fits) or 'none of 1-16'}"
 
 
 def rank_batch(config, batch: int):
@@ -84,36 +106,97 @@ def race_training_steps(models: dict, optimizers: dict, batch, repeats: int, war
 # ----------------------------------------------------------------------------- table
 
 
+SKIPPED = "skipped"   # the word a skipped row's line carries (``labkit bench`` exits 0 for those)
+FAILED = "FAILED"
+
+
 def run(names: list[str] | None = None, **options) -> list[BenchRow | str]:
-    """Run the named rows (all by default); a row whose exercise is a stub says so."""
+    """Run the named rows (all by default). Every name is checked first. A row that cannot
+    take ``world_size`` ranks is skipped with a line saying why, a row whose exercise is a
+    stub says so, a row that fails says how; the others run either way."""
+    names = names or list(ROWS)
+    unknown = [name for name in names if name not in ROWS]
+    if unknown:
+        import difflib
+        close = [m for name in unknown for m in difflib.get_close_matches(name, ROWS, n=1)]
+        raise ValueError(f"no benchmark row {', '.join(map(repr, unknown))}"
+                         + (f"; did you mean {' or '.join(close)}?" if close else "")
+                         + " (labkit bench --list lists them)")
     results = []
-    for name in names or list(ROWS):
-        if name not in ROWS:
-            raise ValueError(f"no benchmark row {name!r}; available: {', '.join(ROWS)}")
+    for name in names:
+        problem = size_problem(name, options.get("world_size"))
+        if problem:
+            results.append(f"{name}: {SKIPPED} at {options['world_size']} ranks: {problem}")
+            continue
         try:
             results.append(ROWS[name](**options))
         except WorkerError as error:
-            if error.exc_type != "NotImplementedError":
-                raise
-            results.append(f"{name}: not implemented yet ({error.message})")
+            if error.exc_type == "NotImplementedError":
+                results.append(f"{name}: not implemented yet ({error.message})")
+            else:
+                results.append(f"{name}: {FAILED} on rank {error.rank}: {error.exc_type}: "
+                               + (error.message.splitlines() or [""])[0])
     return results
 
 
+# What a row's extra figures (the indented line under it) mean; ``format_table`` prints the
+# meaning of each one that appears, under the table.
+EXTRA_MEANINGS = {
+    "all_reduces": "all-reduce calls per step (ours)",
+    "all_reduces_per_step": "all-reduce calls per step, ours and torch's (one per bucket)",
+    "grad_mb": "gradient megabytes per step",
+    "phi_bytes": "bytes of the parameters (Phi)",
+    "torch_sent": "bytes one rank of the built-in sent, traced",
+    "ops": "the collectives one step issued",
+    "optimizer_state_bytes_rank0": "optimizer-state bytes rank 0 holds",
+    "param_bytes_full": "parameter bytes of the whole model",
+    "param_bytes_rank0": "parameter bytes rank 0 holds (ours)",
+    "torch_param_bytes_rank0": "parameter bytes rank 0 holds (the built-in)",
+    "zigzag_s": "seconds per step with zig-zag rows",
+    "contiguous_s": "seconds per step with contiguous rows",
+    "zigzag_over_contiguous": "zig-zag time / contiguous time (< 1: zig-zag balances the causal work)",
+    "busiest_rank_gflop": "attention GFLOP of the busiest rank, per layout",
+    "flop_ratio_predicted": "busiest rank's FLOPs, zig-zag / contiguous: the time ratio it predicts",
+    "busiest_rank_cpu_s": "CPU seconds of the busiest rank, per layout",
+    "cpu_zigzag_over_contiguous": "busiest rank's CPU seconds, zig-zag / contiguous",
+    "balanced_formula": "the bytes the formula gives if the router spread tokens evenly (formula: as routed)",
+    "expert_grad_bytes": "bytes of the expert gradients (not all-reduced over the whole world)",
+    "builtin_bytes": "bytes one rank of the built-in sent, traced",
+    "exposed_wait_s": "seconds spent waiting on communication not hidden behind compute",
+    "no_checkpoint_bytes": "activation bytes saved without checkpointing",
+    "blocks_formula_none": "the formula's saved bytes for the blocks without checkpointing",
+    "peak_step_bytes_ours": "peak bytes of one step, yours",
+    "peak_step_bytes_torch": "peak bytes of one step, torch.utils.checkpoint",
+    "peak_step_bytes_none": "peak bytes of one step, no checkpointing",
+    "alpha_rpc_us": "one-way latency of rpc_sync, microseconds (half a round trip)",
+    "alpha_gloo_us": "one-way latency of a gloo send/recv, microseconds",
+    "trainer_received_B": "bytes a trainer received per iteration from the RPC server",
+    "ch01_trainer_sent_B": "bytes a trainer sent per iteration to chapter 01's server",
+}
+
+
 def format_table(results: list[BenchRow | str]) -> str:
-    header = f"{'benchmark':<62}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'sent/rank':>14}{'formula':>14}"
+    rows = [r for r in results if not isinstance(r, str)]
+    width = max([len("benchmark")] + [len(r.name) for r in rows]) + 2   # long labels keep the columns in line
+    header = f"{'benchmark':<{width}}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}{'sent/rank':>14}{'formula':>14}"
     lines = [header, "-" * len(header)]
+    seen = []
     for r in results:
         if isinstance(r, str):
             lines.append(r)
             continue
         sent = f"{r.traced_bytes:,.0f}" if r.traced_bytes is not None else "-"
         formula = f"{r.formula_bytes:,.0f}" if r.formula_bytes is not None else "-"
-        lines.append(f"{r.name:<62}{r.ours_s * 1e3:>10.2f}{r.builtin_s * 1e3:>10.2f}"
+        lines.append(f"{r.name:<{width}}{r.ours_s * 1e3:>10.2f}{r.builtin_s * 1e3:>10.2f}"
                      f"{r.ratio:>8.2f}{sent:>14}{formula:>14}")
         if r.extra:  # row-specific figures, e.g. all-reduce calls per step for both sides
             lines.append("    " + ", ".join(f"{k}={_show(v)}" for k, v in r.extra.items()))
+            seen += [k for k in r.extra if k not in seen]
     lines.append("ratio = ours / torch (median of interleaved repetitions; < 1 is faster); "
-                 "sent/rank = bytes one rank sent, traced")
+                 "sent/rank = bytes one rank sent, traced; formula = what the chapter's formula says it sends")
+    if seen:
+        lines.append("indented lines: the row's own figures:")
+        lines += [f"    {k:<{max(map(len, seen))}}  {EXTRA_MEANINGS.get(k, '')}" for k in seen]
     return "\n".join(lines)
 
 
