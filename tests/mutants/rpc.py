@@ -148,3 +148,24 @@ MUTANTS = [
            find="                value = remote(stage.owner(), stage_forward, stage, value)\n",
            replace="                value = remote(stage.owner(), stage_forward, stage, value).to_here()\n"),
 ]
+
+# `labkit mutate rpc` survivors that no test can tell from the reference (labkit/course/automut.py).
+EQUIVALENT = {
+    "rpc.batching_ps/ifexp/4d040297":
+        "push's `answer = self.snapshot() if ready else None` -> always snapshot(): the copy is only "
+        "wasted work when no pull is waiting (answer is then never read); nothing observable changes",
+    "rpc.batching_ps/int/2a4f795a":
+        "train_batching's first pull asks for iteration -1 instead of 0: pull(i) is answered at once "
+        "when version >= i - staleness, and version >= 0 >= i - staleness holds for i = 0 and i = -1 alike "
+        "(same reply, same bytes, same RPC); 0 -> 1, which does wait, is killed",
+    "rpc.batching_ps/int/9b86cc65":
+        "the `version` argument of a pull-only push_and_pull (grads None) is -2 instead of -1: "
+        "push_and_pull reads `version` only when it pushes gradients (grads not None)",
+    "rpc.batching_ps/int/ad31e425":
+        "the `version` argument of a pull-only push_and_pull (grads None) is 0 instead of -1: "
+        "push_and_pull reads `version` only when it pushes gradients (grads not None)",
+    "rpc.batching_ps/bool/d8eb315b":
+        "model.zero_grad(set_to_none=False) instead of True before each local backward: the gradient "
+        "then accumulates into exact zeros (0 + g == g in IEEE arithmetic), and a parameter with no "
+        "gradient (frozen) keeps .grad None either way, so the pushed gradients are bit-identical",
+}
