@@ -855,7 +855,7 @@ class LocalSGD:
     """Local SGD / DiLoCo around a model and its (inner) optimizer, over ``group`` (None: the
     world). Call ``step()`` after every ``inner_optimizer.step()``: it counts the steps and on
     every ``sync_every``-th one runs the outer step, returning True (False on the local steps,
-    which communicate nothing).
+    which communicate nothing). ``local_steps``: the inner steps counted so far.
 
     The outer step, for every trainable parameter (``requires_grad``; frozen ones are neither
     sent nor changed; one unused on this rank still takes part, with a zero delta, since

@@ -1159,6 +1159,7 @@ def local_sgd_config(h: int, outer: str, inner: str, members: list[int], group) 
                         p.copy_(a)
         at = f"{what}, step {step + 1} ({'sync' if sync else 'local'})"
         assert synced is sync, f"{at}: step() returned {synced}, expected {sync} (sync on every {h}-th step)"
+        assert local.local_steps == step + 1, f"{at}: local_steps is {local.local_steps}, expected {step + 1} inner steps"
         ops = [Op("all_reduce", p.numel() * 8, members) for p in trainable] if sync else []
         assert_ops(tracer, ops, f"{at}: {'one all-reduce per trainable tensor over the group' if sync else 'a local step communicates nothing'}")
         for e, p in zip(tracer.events, trainable):
