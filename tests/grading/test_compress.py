@@ -1056,3 +1056,144 @@ def test_ag_matmul(world_size):
 def test_matmul_rs(world_size):
     run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, timeout=120)
 # ============================================================================= end of collective matmul
+
+
+# ============================================================================= local SGD / DiLoCo
+"""compress.local_sgd: ``LocalSGD`` (local SGD, Stich 2019 / Lin et al. 2020; DiLoCo, Douillard
+et al. 2023, arXiv:2311.08105) against a one-process reference written here, which simulates
+every member of the group: each its own copy of the model, its own data shard (seeded by its
+rank and step), its own inner optimizer (torch's, state kept across rounds), and every H-th step
+the outer step: mean over members of (theta_start - theta_local) as the gradient of theta_start
+under the outer optimizer (a fresh torch instance of the same class and kwargs, state kept
+across rounds), every member reset to the new theta_start. float64, 3 rounds (3H steps) per
+configuration; after every step this rank's trainable parameters equal its simulated member's
+(1e-10), its frozen parameter is unchanged (never sent), its unused one (a zero delta, still sent) as simulated.
+Configurations: H = 1, 2, 3 x outer plain averaging (SGD lr 1) or DiLoCo's (SGD lr 0.7,
+Nesterov momentum 0.9, once through the default ``outer_kwargs=None``) x inner AdamW or
+momentum SGD, over the world; over the subgroups (N = 3: {0, 2}, rank 1 alone, whose result
+is its own local training: nobody else's parameters reach it; N = 4: rows and columns of a
+2 x 2 grid) H = 2 and 3 with DiLoCo and AdamW, plus an outer Adam (``outer_optimizer_cls``).
+The whole trace of every step: nothing on the H - 1 local steps; on a sync step one all-reduce
+over the group per trainable tensor, numel x 8 bytes, whose ring wire bytes are
+numel x 8 x 2(N - 1)/N. sync_every 0 and -1 raise ValueError with nothing traced.
+
+Bytes per token against DDP (P trainable parameters of e bytes, N ranks, b tokens per rank per
+step): DDP all-reduces every gradient every step, 2(N - 1)/N x P e bytes sent per rank per b
+tokens; local SGD sends the same every H steps: 2(N - 1)/N x P e / (H b), H times fewer
+(H = 500 in DiLoCo's runs). On the model here (P = 4x3 + 3 + 3x2 + 2 + 2 = 25, e = 8, b = 4
+rows), N = 4, H = 3: DDP 75 B per row per rank, local SGD 25 B.
+"""
+
+LS_ROUNDS = 3
+LS_TOL = 1e-10
+
+
+class LocalModel(nn.Module):
+    """Two linear layers, a frozen scale and an unused bias (never in the loss)."""
+
+    def __init__(self):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            self.fc1, self.fc2 = nn.Linear(4, 3).double(), nn.Linear(3, 2).double()
+            self.scale = nn.Parameter(torch.rand(2, dtype=torch.float64) + 0.5, requires_grad=False)
+            self.unused = nn.Parameter(torch.randn(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x))) * self.scale
+
+
+def ls_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+
+
+def ls_inner(name: str, params):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def ls_inner_step(model, opt, rank: int, step: int) -> None:
+    x, y = ls_batch(rank, step)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def local_sgd_config(h: int, outer: str, inner: str, members: list[int], group) -> None:
+    from labkit.compress import LocalSGD
+    rank, n = dist.get_rank(), len(members)
+    outer_cls, kwargs = {"plain": (torch.optim.SGD, {"lr": 1.0}),
+                         "diloco": (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True}),
+                         "default": (torch.optim.SGD, None),
+                         "adam": (torch.optim.Adam, {"lr": 0.02})}[outer]
+    what = f"compress.local_sgd: rank {rank}, group {members}, H={h}, outer {outer}, inner {inner}"
+    model = LocalModel()
+    opt = ls_inner(inner, model.parameters())
+    args = {} if outer == "default" else {"outer_optimizer_cls": outer_cls, "outer_kwargs": kwargs}
+    local = LocalSGD(model, opt, sync_every=h, group=group, **args)
+    # the reference: every member simulated in this process
+    sims = [LocalModel() for _ in members]
+    sim_opts = [ls_inner(inner, m.parameters()) for m in sims]
+    anchor = [p.detach().clone() for p in sims[0].parameters() if p.requires_grad]
+    ref_outer = outer_cls(anchor, **(kwargs or {"lr": 0.7, "momentum": 0.9, "nesterov": True}))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = model.scale.detach().clone()
+    mine = members.index(rank)
+    for step in range(LS_ROUNDS * h):
+        with CommTracer() as tracer:
+            ls_inner_step(model, opt, rank, step)
+            synced = local.step()
+        for m, o, r in zip(sims, sim_opts, members):
+            ls_inner_step(m, o, r, step)
+        sync = (step + 1) % h == 0
+        if sync:
+            with torch.no_grad():
+                sim_params = [[p for p in m.parameters() if p.requires_grad] for m in sims]
+                for i, a in enumerate(anchor):
+                    a.grad = sum(a - ps[i] for ps in sim_params) / n
+                ref_outer.step()
+                for ps in sim_params:
+                    for a, p in zip(anchor, ps):
+                        p.copy_(a)
+        at = f"{what}, step {step + 1} ({'sync' if sync else 'local'})"
+        assert synced is sync, f"{at}: step() returned {synced}, expected {sync} (sync on every {h}-th step)"
+        assert local.local_steps == step + 1, f"{at}: local_steps is {local.local_steps}, expected {step + 1} inner steps"
+        ops = [Op("all_reduce", p.numel() * 8, members) for p in trainable] if sync else []
+        assert_ops(tracer, ops, f"{at}: {'one all-reduce per trainable tensor over the group' if sync else 'a local step communicates nothing'}")
+        for e, p in zip(tracer.events, trainable):
+            want = p.numel() * 8 * 2 * (n - 1) / n
+            assert abs(e.wire_bytes - want) < 1e-9, f"{at}: ring bytes {e.wire_bytes}, expected numel x 8 x 2(N-1)/N = {want}"
+        for (name, p), ref in zip([(k, v) for k, v in model.named_parameters() if v.requires_grad],
+                                  [v for v in sims[mine].parameters() if v.requires_grad]):
+            assert_close(p, ref, f"{at}: parameter {name} vs the one-process simulation of the group",
+                         rtol=LS_TOL, atol=LS_TOL)
+        assert torch.equal(model.scale, frozen), f"{at}: the frozen parameter changed"
+
+
+def local_sgd_on_rank() -> None:
+    from labkit.compress import LocalSGD
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for bad in (0, -1):
+        model = LocalModel()
+        with CommTracer() as tracer, pytest.raises(ValueError):
+            LocalSGD(model, ls_inner("sgd", model.parameters()), sync_every=bad)
+        assert not tracer.events, f"compress.local_sgd: rank {rank}: sync_every={bad}: refuse before communicating"
+    everyone = list(range(world))
+    for h in (1, 2, 3):
+        for outer in ("plain", "diloco"):
+            for inner in ("adamw", "sgd"):
+                local_sgd_config(h, outer, inner, everyone, None)
+    local_sgd_config(2, "default", "adamw", everyone, None)
+    for members, group in subgroups():
+        for h in (2, 3):
+            local_sgd_config(h, "diloco", "adamw", members, group)
+        local_sgd_config(2, "adam", "sgd", members, group)
+
+
+@task("compress.local_sgd", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_local_sgd(world_size):
+    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, timeout=180)
+# ============================================================================= end of local SGD

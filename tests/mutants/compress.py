@@ -249,3 +249,52 @@ EQUIVALENT = {
     "compress.ag_matmul/drop_call/4edf6698": "x_local without .contiguous(): start_exchange sends tensor.contiguous() "
                                              "itself, and F.linear and torch.cat take any strides",
 }
+
+# ============================================================================= compress.local_sgd
+MUTANTS += [
+    Mutant("compress.local_sgd", "sync_every_step", "averages after every inner step: H ignored (DDP-like bytes, "
+           "and other parameters whenever H > 1)",
+           find="        if self.local_steps % self.sync_every:\n            return False\n", replace=""),
+    Mutant("compress.local_sgd", "counter_off_by_one", "syncs on steps 1, H + 1, 2H + 1, ... (the counter read before "
+           "it is incremented)",
+           find="        self.local_steps += 1\n        if self.local_steps % self.sync_every:\n",
+           replace="        self.local_steps += 1\n        if (self.local_steps - 1) % self.sync_every:\n"),
+    Mutant("compress.local_sgd", "averages_parameters", "all-reduces the parameters and takes their mean as the new "
+           "start: right for plain averaging, but the outer momentum and lr are never applied",
+           find="        self.outer.step()\n        for start, param in zip(self.start, self.params):\n",
+           replace="        for start in self.start:\n            start.sub_(start.grad)\n"
+                   "        for start, param in zip(self.start, self.params):\n"),
+    Mutant("compress.local_sgd", "delta_sign_flipped", "outer gradient theta_local - theta_start: the outer step "
+           "moves away from where the ranks went",
+           find="deltas = [start - param for", replace="deltas = [param - start for"),
+    Mutant("compress.local_sgd", "outer_state_reset", "builds a fresh outer optimizer every round: the Nesterov "
+           "momentum is never carried across rounds",
+           find="        self.outer.step()\n",
+           replace="        self.outer = type(self.outer)(self.start, **self.outer.defaults)\n        self.outer.step()\n"),
+    Mutant("compress.local_sgd", "inner_state_reset", "clears the inner optimizer's state at every sync (DiLoCo keeps "
+           "AdamW's moments on each rank across rounds)",
+           find="        self.outer.step()\n", replace="        self.outer.step()\n        self.inner.state.clear()\n"),
+    Mutant("compress.local_sgd", "ignores_the_group", "all-reduces over the world whatever group it is given",
+           find="dist.all_reduce(delta, group=self.group, async_op=True)", replace="dist.all_reduce(delta, async_op=True)"),
+    Mutant("compress.local_sgd", "sum_not_mean", "never divides the summed deltas by N",
+           find="start.grad = delta.div_(n)", replace="start.grad = delta"),
+    Mutant("compress.local_sgd", "divides_by_the_world", "all-reduces over the group but divides by the world's size",
+           find="n = _group_size(self.group)", replace="n = _group_size(None)"),
+    Mutant("compress.local_sgd", "start_not_kept", "never copies the new start into the model: the ranks go on from "
+           "their local parameters",
+           find="            param.copy_(start)\n", replace="            pass\n"),
+    Mutant("compress.local_sgd", "start_from_local", "takes theta_start as this rank's local parameters before the "
+           "outer step (start = param): the delta is applied to the local model, ranks stay apart",
+           find="        self.outer.step()\n",
+           replace="        for start, param in zip(self.start, self.params):\n            start.copy_(param)\n"
+                   "        self.outer.step()\n"),
+    Mutant("compress.local_sgd", "one_flat_all_reduce", "packs every delta into one flat buffer: the same average, "
+           "but not the per-tensor trace the docstring promises",
+           find="        works = [dist.all_reduce(delta, group=self.group, async_op=True) for delta in deltas]\n",
+           replace="        flat = torch.cat([d.reshape(-1) for d in deltas])\n"
+                   "        dist.all_reduce(flat, group=self.group)\n"
+                   "        for d, part in zip(deltas, flat.split([d.numel() for d in deltas])):\n"
+                   "            d.copy_(part.view_as(d))\n"
+                   "        works = [torch.futures.Future() for _ in deltas]\n"
+                   "        [w.set_result(None) for w in works]\n"),
+]
