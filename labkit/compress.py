@@ -139,6 +139,7 @@ def after(future: torch.futures.Future, start) -> torch.futures.Future:
 
     def begin(done):
         try:
+            done.value()  # an error of the step before completes the result with it; the next never starts
             start(done).add_done_callback(forward)
         except Exception as error:  # noqa: BLE001
             result.set_exception(error)
@@ -534,7 +535,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups, async_op: 
 
     Each step needs the one before: start the reduce-scatter (``async_op=True``; its future:
     ``future_of(work)``, gloo's reduce-scatter has no ``get_future``) and chain the next two on
-    it with ``after``, the copy back with ``.then``. With ``async_op`` return that
+    it with ``after``, the copy back with ``.then`` (reading the value it chains on, so that a
+    step that failed fails the call instead of leaving the tensor half summed). With ``async_op`` return that
     future at once (pending while the steps are in flight; its value is ``tensor``), else wait
     for it and return None.
     """
@@ -549,7 +551,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups, async_op: 
     gathered = after(summed, lambda _: dist.all_gather_single(padded, part, group=groups.inside,
                                                               async_op=True).get_future())
 
-    def copy_back(_):
+    def copy_back(done):
+        done.value()  # a step that failed fails the call, not a tensor left half summed
         tensor.copy_(padded[:flat.numel()].view_as(tensor))
         return tensor
 

@@ -640,6 +640,29 @@ def hierarchical_on_rank() -> None:
         want = torch.arange(10, dtype=torch.float64) * sum(range(1, world + 1))
         assert value is x and torch.equal(x, want), \
             f"compress.hierarchical: rank {rank}, {nodes} x {per_node}, async_op=True: the future's value is the tensor, summed"
+    # An error in a step reaches the caller: the across all-reduce fails on every rank before it
+    # communicates (so no rank waits on another), and both the future and the blocking call raise it.
+    real = dist.all_reduce
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected failure of the across all-reduce")
+
+    for async_op in (True, False):
+        x = torch.ones(10, dtype=torch.float64)
+        dist.all_reduce = failing
+        try:
+            try:
+                returned = hierarchical_all_reduce(x, groups, async_op=async_op)
+                if async_op:
+                    returned.wait()
+            except Exception as error:  # noqa: BLE001 - any type, as long as it is the step's error
+                assert "injected failure" in str(error), \
+                    f"compress.hierarchical: rank {rank}, async_op={async_op}: raised {error!r}, not the failed step's error"
+            else:
+                raise AssertionError(f"compress.hierarchical: rank {rank}, {nodes} x {per_node}, async_op={async_op}: the "
+                                     "across all-reduce failed, yet the call completed (an error must reach the caller)")
+        finally:
+            dist.all_reduce = real
 
 
 def hierarchical_as_hook() -> None:
