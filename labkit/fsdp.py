@@ -481,7 +481,7 @@ class FSDPUnit:
         have = [i for i, g in enumerate(full_grads) if g is not None]
         shard_grads = [None] * len(full_grads)
         if not have:
-            return shard_grads
+            return shard_grads  # coverage: the guard above (listed in tests/coverage_exclusions.txt)
         params = [self.params[i] for i in have]
         flat = pack_grads([full_grads[i] for i in have], params, self.world)
         mine = flat.new_empty(flat.numel() // self.world)

@@ -542,6 +542,21 @@ def crash_everywhere_on_rank(tmp: str):
     for step, tracer in zip((2, 4, 6, "6 again after a crash"), traces):
         save_ops(tracer.events, rank, n, states[step if step in states else 6],
                  f"elastic.save: world size {n}: rank {rank}: the save at step {step}")
+    # Step 6 saved again over the complete one (a job that trained on and saved under the same
+    # step number): the new checkpoint replaces the old, and nothing of the old is left.
+    train_steps(model, opt, 6, 1)
+    again = capture_state(model, opt, Progress(step=6, position=7 * BATCH))
+    with CommTracer() as tracer:
+        save_checkpoint(again, root, 6)
+    dist.barrier()
+    left = sorted(p.name for p in root.iterdir())
+    assert left == [step_name(4), step_name(6)], \
+        (f"elastic.save: world size {n}: step 6 saved a second time over a complete {step_name(6)} leaves {left}; "
+         f"expected [{step_name(4)}, {step_name(6)}] (the old step 6 replaced, no leftovers)")
+    problem = checkpoint_problem(root / step_name(6), 6, n, rank, again)
+    assert problem is None, (f"elastic.save: world size {n}: step 6 saved a second time (the state one step "
+                             f"later): {step_name(6)} is not the new save: {problem}")
+    save_ops(tracer.events, rank, n, again, f"elastic.save: world size {n}: rank {rank}: step 6 saved again")
     return total
 
 
@@ -554,17 +569,19 @@ def test_a_crash_at_any_file_system_step_leaves_a_complete_checkpoint(tmp_path, 
 # ----------------------------------------------------------------------------- elastic.load: refusals
 
 
-def save_at(kind: str, root: str, steps: tuple):
-    """Train and save at each of ``steps`` (keep them all)."""
+def save_at(kind: str, root: str, steps: tuple, draws: bool = False):
+    """Train and save at each of ``steps`` (keep them all). ``draws``: also return what the
+    random generators (torch's, Python's) give right after the last capture."""
     from labkit.elastic import Progress, capture_state, save_checkpoint
     model, opt = build(kind)
     losses, done = [], 0
     for step in steps:
         losses += train_steps(model, opt, done, step - done)
         done = step
-        save_checkpoint(capture_state(model, opt, Progress(step=step, position=step * BATCH, losses=list(losses))),
-                        root, step, keep=len(steps))
-    return losses
+        state = capture_state(model, opt, Progress(step=step, position=step * BATCH, losses=list(losses)))
+        drawn = (torch.rand(4), random.random())
+        save_checkpoint(state, root, step, keep=len(steps))
+    return (losses, drawn) if draws else losses
 
 
 def refused(call, pattern: str, what: str) -> None:
@@ -584,7 +601,7 @@ def refused(call, pattern: str, what: str) -> None:
                          f"CheckpointError naming the file (/{pattern}/)")
 
 
-def bad_checkpoints_on_rank(root: str):
+def bad_checkpoints_on_rank(root: str, drawn: list):
     import shutil
     from labkit.elastic import latest_checkpoint, load_checkpoint, validate_checkpoint
     from labkit.models import GPT, GPTConfig
@@ -601,8 +618,17 @@ def bad_checkpoints_on_rank(root: str):
         shutil.copytree(good, root / step_name(8))
         data = (root / step_name(8) / "rank1.pt").read_bytes()
         (root / step_name(8) / "rank1.pt").write_bytes(data[:len(data) // 2])
-        for case in ("truncated", "altered", "missing", "swapped", "no_metadata", "torn_metadata"):
+        for case in ("truncated", "altered", "missing", "swapped", "no_metadata", "torn_metadata", "rows0", "rows1"):
             shutil.copytree(good, cases / case)
+        for r in (0, 1):  # metadata that lists rank r's file but none of its rows (as if it never reported them)
+            meta_path = cases / f"rows{r}" / "metadata.json"
+            meta_r = json.loads(meta_path.read_text())
+            for entry in meta_r["tensors"].values():
+                entry["pieces"] = [piece for piece in entry["pieces"] if piece[0] != f"rank{r}.pt"] or entry["pieces"]
+            meta_path.write_text(json.dumps(meta_r))
+        # a root where nothing validates: the damaged step 8 and a staging directory
+        shutil.copytree(root / step_name(8), cases / "nothing" / step_name(8))
+        shutil.copytree(good, cases / "nothing" / f"{step_name(10)}.partial")
         data = (good / "rank1.pt").read_bytes()
         (cases / "truncated" / "rank1.pt").write_bytes(data[:len(data) // 2])
         middle = len(data) // 2
@@ -625,6 +651,14 @@ def bad_checkpoints_on_rank(root: str):
         assert step_name(8) in printed.getvalue() and "rank1.pt" in printed.getvalue(), \
             (f"elastic.load: rank {rank}: latest_checkpoint skipped the damaged {step_name(8)} without reporting it "
              f"by name (printed: {printed.getvalue()[:200]!r}); print the error that names the file")
+        with contextlib.redirect_stdout(io.StringIO()):
+            nothing = latest_checkpoint(cases / "nothing")
+        assert nothing is None, (f"elastic.load: rank {rank}: under {sorted(p.name for p in (cases / 'nothing').iterdir())} "
+                                 f"(a damaged step 8, a step 10 never renamed) latest_checkpoint returns {nothing}; "
+                                 "expected None (no checkpoint validates)")
+        refused(lambda: load_checkpoint(cases / f"rows{rank}", model, opt), r"metadata\.json",
+                f"elastic.load: rank {rank}: loading a checkpoint whose metadata lists none of rank{rank}.pt's rows "
+                "(the rows this rank needs are in no piece)")
         other = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=24)).double()
         refused(lambda: load_checkpoint(good, other, torch.optim.AdamW(other.parameters())), r"metadata\.json.*shape",
                 f"elastic.load: rank {rank}: {good.name} loaded into a GPT of another width (n_embd 24)")
@@ -641,15 +675,25 @@ def bad_checkpoints_on_rank(root: str):
                     f"elastic.load: rank {rank}: loading a checkpoint with {how}")
             refused(lambda folder=cases / case: validate_checkpoint(folder), pattern,
                     f"elastic.load: rank {rank}: validating a checkpoint with {how}")
+        # loaded at the world size that saved it: the random generators continue as after the save
+        torch.manual_seed(1000 + rank)
+        random.seed(1000 + rank)
+        load_checkpoint(good, model, opt)
+        after = (torch.rand(4), random.random())
     no_communication(tracer.events, f"elastic.load: rank {rank}: latest_checkpoint, validate_checkpoint and "
                                     "load_checkpoint read files (no communication)")
+    drawn = drawn[rank]
+    assert torch.equal(after[0], drawn[0]) and after[1] == drawn[1], (
+        f"elastic.load: rank {rank}: {good.name} (saved by 2 ranks) loaded at 2 ranks: the random generators "
+        f"draw {after[0].tolist()}, {after[1]}; after the save they drew {drawn[0].tolist()}, {drawn[1]}: restore "
+        "this rank's torch and Python RNG states when the world size is the same")
 
 
 @task("elastic.load", points=2)
 def test_damaged_or_foreign_checkpoints_are_refused_by_name(tmp_path):
     root = str(tmp_path / "ckpt")
-    run_graded("elastic.load", save_at, 2, "fsdp", root, (2, 4))
-    run_graded("elastic.load", bad_checkpoints_on_rank, 2, root)
+    drawn = [d for _, d in run_graded("elastic.load", save_at, 2, "fsdp", root, (2, 4), True)]
+    run_graded("elastic.load", bad_checkpoints_on_rank, 2, root, drawn)
 
 
 # ----------------------------------------------------------------------------- elastic.load: resharding

@@ -288,7 +288,7 @@ def check_sharding() -> None:
 
 def forward_on_rank() -> None:
     one_thread()
-    from labkit.fsdp import full_state_dict
+    from labkit.fsdp import UNIT_ATTR, full_state_dict, units_of
     from labkit.memory import param_bytes
     runs = [("toy", None), ("toy1", None), ("gpt", None)]
     runs += [("toy", pair) for pair in subgroups()]  # the ToyModel sharded over subgroups: group= honoured
@@ -332,7 +332,43 @@ def forward_on_rank() -> None:
             assert_close(no_grad_loss, loss_of(kind, ref, x, y), f"{what}: loss under torch.no_grad()")
         assert_ops(tracer, forward, f"{what}: forward under torch.no_grad() (per unit, one all-gather)")
         assert param_bytes(model) == shard_bytes(ref, n), f"{what}: under no_grad, forward must free too"
+        # An all-gather already in flight (what a prefetch leaves): forward must finish and use it,
+        # not issue a second one, and leave nothing pending.
+        with torch.no_grad():
+            with CommTracer() as tracer:
+                for u in units:
+                    unit = getattr(model.get_submodule(u), UNIT_ATTR)
+                    if unit.params:
+                        unit.start_all_gather()
+                prefetched_loss = loss_of(kind, model, x, y)
+            assert_close(prefetched_loss, loss_of(kind, ref, x, y),
+                         f"{what}: loss under no_grad, every unit's all-gather started before forward")
+        assert_ops(tracer, forward, f"{what}: forward with every all-gather already started (use the pending "
+                   "one: per unit, one all-gather in all)")
+        assert all(u.pending is None for u in units_of(model)), (
+            f"{what}: an all-gather started before forward is still pending after it; all_gather must take it")
         del loss
+    # reshard_after_forward=False: with grad enabled every unit keeps its full parameters after its
+    # forward (backward needs no all-gather); under no_grad it frees them all the same.
+    ref, model, units = build("toy", prefetch=False, reshard_after_forward=False)
+    n = dist.get_world_size()
+    x, y = batch("toy", 0)
+    x, y = my_part(x), my_part(y)
+    what = f"fsdp.forward: rank {dist.get_rank()} of {n}, toy, reshard_after_forward=False"
+    full_bytes = n * shard_bytes(ref, n)  # the gathered buffers: N padded shards of every unit
+    with torch.no_grad():
+        assert_close(loss_of("toy", model, x, y), loss_of("toy", ref, x, y), f"{what}: loss under no_grad")
+    assert param_bytes(model) == shard_bytes(ref, n), (
+        f"{what}: under no_grad forward must free the full parameters even so: {param_bytes(model)} bytes "
+        f"held, the shards are {shard_bytes(ref, n)}")
+    loss = loss_of("toy", model, x, y)
+    assert_close(loss.detach(), loss_of("toy", ref, x, y).detach(), f"{what}: loss")
+    assert param_bytes(model) == full_bytes, (
+        f"{what}: after forward (grad enabled) the modules must keep their full parameters: "
+        f"{param_bytes(model)} bytes, the gathered (padded) full parameters are {full_bytes}")
+    for name, p in model.named_parameters():
+        assert_close(p.detach(), ref.get_parameter(name).detach(), f"{what}: {name} kept after forward")
+    del loss
 
 
 def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, traced_step: int = 0,
@@ -484,6 +520,48 @@ def prefetch_on_rank() -> None:
         train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order, traced_step=1)
     for pair in subgroups()[-1:]:  # the strided pairs ({0,2},{1,3} or {0,2},{1}): prefetch over a subgroup
         train_and_check("fsdp.prefetch", "toy", prefetch=True, inspect=check_prefetch_order, traced_step=1, pair=pair)
+    accumulate_kept()
+
+
+def accumulate_kept() -> None:
+    """reshard_after_forward=False and two micro-batches per step (gradient accumulation): in the
+    second forward and in backward the unit to prefetch already holds its full parameters, so no
+    all-gather may be started for it (one would stay pending: nobody waits on it)."""
+    from labkit.fsdp import units_of
+    ref, model, units = build("toy", prefetch=True, reshard_after_forward=False)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = batch("toy", 0)
+    xs, ys = my_part(x), my_part(y)
+    h = len(xs) // 2
+    what = f"fsdp.prefetch: rank {rank} of {n}, toy, reshard_after_forward=False, two micro-batches"
+    with CommTracer() as tracer:
+        loss = loss_of("toy", model, xs[:h], ys[:h]) + loss_of("toy", model, xs[h:], ys[h:])
+        loss.backward()
+    share = len(x) // n
+    ref_loss = sum(loss_of("toy", ref, x[r * share:r * share + h], y[r * share:r * share + h])
+                   + loss_of("toy", ref, x[r * share + h:(r + 1) * share], y[r * share + h:(r + 1) * share])
+                   for r in range(n)) / n
+    ref_loss.backward()
+    # Forward: every unit all-gathers once per forward (a kept unit too: the second forward's
+    # autograd node needs its own). Backward: the second micro-batch's backward runs first and
+    # frees each trainable unit when done, so the first's must re-gather it: one all-gather per
+    # unit with trainable parameters, none for a unit that still holds its own.
+    gathers = [e for e in tracer.events if e.kind == "all_gather"]
+    with_params = sum(1 for u in units_of(model) if u.params)
+    trainable = sum(1 for u in units_of(model) if any(s.requires_grad for s in u.shards))
+    got = (sum(not e.in_backward for e in gathers), sum(e.in_backward for e in gathers))
+    assert got == (2 * with_params, trainable), (
+        f"{what}: {got[0]} all-gathers in forward, {got[1]} in backward; expected {2 * with_params} (one per unit "
+        f"and forward) and {trainable} (a unit freed by the other micro-batch's backward): a unit that still holds "
+        "its parameters must not be prefetched")
+    assert all(u.pending is None and u.full is None for u in units_of(model)), (
+        f"{what}: after backward a unit still has an all-gather pending or its full parameters")
+    for name, p in model.named_parameters():
+        expected = ref.get_parameter(name).grad
+        if expected is None:
+            assert p.grad is None, f"{what}: {name} has a gradient; the reference has none"
+        else:
+            assert_close(p.grad, expected_shard(expected, rank, n), f"{what}: gradient of {name}'s shard")
 
 
 # ----------------------------------------------------------------------------- tests

@@ -456,6 +456,13 @@ def gpt_on_rank(tie: bool):
             o.step()
             o.zero_grad()
         losses.append(loss.item())
+    # After zero_grad (set_to_none) no parameter has a gradient: grads=True gathers nothing.
+    with CommTracer() as gather:
+        grads = full_state_dict(model, grads=True)
+    assert grads == {}, (f"tp.model: tie_weights={tie}: full_state_dict(grads=True) with no gradient anywhere "
+                         f"returned {sorted(grads)}; a parameter without a gradient has no entry")
+    signature("tp.model", gather, [], f"tie_weights={tie}: full_state_dict(grads=True) with no gradients "
+              "(nothing to gather: no communication)")
     with CommTracer() as gather:
         state = full_state_dict(model)
     expected = ref.state_dict()
