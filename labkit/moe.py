@@ -29,6 +29,7 @@ Tasks (run ``labkit grade moe``; tests in ``tests/grading/test_moe.py``):
     moe.dispatch  AllToAll, exchange_counts
     moe.layer     ExpertParallelMoE.forward (dispatch, experts, combine)
     moe.ep_dp     ep_dp_grid, average_ep_dp_gradients (EP x DP on the chapter-08 rank grid)
+    moe.bias_balance  route(..., bias=...), BiasBalancer (auxiliary-loss-free balancing)
 Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0, ep x dp not
 the world) raises ValueError before any communication.
 
@@ -67,7 +68,7 @@ import torch.nn.functional as F
 
 # ----------------------------------------------------------------------------- router
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int):
+def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, bias: torch.Tensor | None = None):
     """Top-k routing of tokens ``x`` [T, H] with a linear gate [E, H] (both of one dtype).
 
     Returns (experts [T, k] int64, weights [T, k], probs [T, E], logits [T, E]), the floats
@@ -75,7 +76,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int):
     renormalised to sum to 1 per token (GShard, Mixtral). For k = 1 the weight is the chosen
     probability itself, not renormalised (Switch Transformer): renormalised, it would always
     be 1, and the router would get no gradient from the task loss (only from the auxiliary
-    losses)."""
+    losses).
+
+    ``bias`` [E] (float32, from ``BiasBalancer``): see ``biased_route``; None routes on the
+    probabilities alone."""
+    if bias is not None:
+        return biased_route(x, gate_weight, k, bias)
     # BEGIN SOLUTION moe.router: logits = x @ W.T, softmax, topk; for k >= 2 divide the k weights by their sum, for k = 1 keep the probability (Switch: a weight of 1 gives the router no gradient)
     logits = x @ gate_weight.t()
     probs = logits.softmax(dim=-1)
@@ -84,6 +90,62 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, k: int):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights, probs, logits
     # END SOLUTION
+
+
+def biased_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, bias: torch.Tensor):
+    """``route`` with a per-expert bias that only chooses (DeepSeek-V3, arXiv:2412.19437,
+    section 2.1.2, auxiliary-loss-free load balancing): the experts are the top-k of
+    probs + bias, computed in float32 (no gradient), highest biased score first; the weights
+    are the *unbiased* probabilities of those experts, renormalised for k >= 2 and not for
+    k = 1, as in ``route``. The bias never reaches a weight, so the gate's gradient does not
+    depend on it. Returns what ``route`` returns."""
+    # BEGIN SOLUTION moe.bias_balance: logits and softmax as in route; experts = topk of (probs.float() + bias.float()); weights = probs.gather(experts), renormalised for k > 1
+    logits = x @ gate_weight.t()
+    probs = logits.softmax(dim=-1)
+    experts = (probs.float() + bias.float()).topk(k, dim=-1).indices  # indices: no gradient
+    weights = probs.gather(-1, experts)
+    if k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights, probs, logits
+    # END SOLUTION
+
+
+class BiasBalancer:
+    """The per-expert routing bias of auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437,
+    section 2.1.2). ``bias`` [E] float32 starts at 0. After each step, ``update(expert_counts)``
+    with the [E] counts of this rank's choices (T x k, before any capacity drop): the counts
+    are summed (all-reduced) over ``group`` (None = the world), the global load, so the bias
+    stays identical on every rank of the group; then
+
+        bias_e += gamma * sign(mean_e load - load_e)
+
+    raised for an under-loaded expert, lowered for an over-loaded one, unchanged at the mean
+    (sign 0). ``route(x, gate_weight, k)`` routes one step with the current bias, then updates
+    it with that step's choices (the bias of step s comes from steps 1 ... s-1)."""
+
+    def __init__(self, num_experts: int, gamma: float = 1e-3, group=None):
+        self.num_experts, self.gamma, self.group = num_experts, gamma, group
+        self.bias = torch.zeros(num_experts, dtype=torch.float32)
+
+    def update(self, expert_counts: torch.Tensor) -> torch.Tensor:
+        """One step's update from this rank's [E] counts (one all-reduce of E int64s over the
+        group). Updates ``self.bias`` in place and returns it."""
+        # BEGIN SOLUTION moe.bias_balance: int64 copy of the counts, all_reduce over self.group, bias += gamma * sign(load.mean() - load) (float32)
+        load = expert_counts.to(torch.int64).clone()  # a copy: the caller's counts stay as they were
+        dist.all_reduce(load, group=self.group)
+        load = load.to(torch.float32)
+        self.bias += self.gamma * torch.sign(load.mean() - load)
+        return self.bias
+        # END SOLUTION
+
+    def route(self, x: torch.Tensor, gate_weight: torch.Tensor, k: int):
+        """``route(x, gate_weight, k, bias=self.bias)``, then ``update`` with the bincount of the
+        chosen experts (minlength E). Returns route's four outputs."""
+        # BEGIN SOLUTION moe.bias_balance: route with the current bias first, then update with the bincount of its experts
+        out = route(x, gate_weight, k, bias=self.bias)
+        self.update(torch.bincount(out[0].reshape(-1), minlength=self.num_experts))
+        return out
+        # END SOLUTION
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:

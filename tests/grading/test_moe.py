@@ -56,6 +56,23 @@ group forward, two per layer backward (last layer first), then one all-reduce pe
 with a gradient, in ``model.parameters()`` order, dense over the world and expert over the
 DP group.
 
+moe.bias_balance: auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437, 2.1.2).
+``route(x, gate, k, bias=b)`` at k = 1, 2, 3 in float64, float32, bfloat16 and float16 with a
+bias that changes some tokens' choice (checked): the experts are the top-k of probs + b in
+float32, highest biased score first; the weights the *unbiased* probabilities of those
+experts (renormalised for k >= 2, not for k = 1) against a float64 reference; logits and
+probs; dtypes; the gate's gradient of a task loss is the reference's (the bias never enters
+a weight) and the bias gets none. ``BiasBalancer.update`` with gamma = 0.01 (not the
+default) over 4 steps of counts built so that the group's load has ties with its mean (sign
+0), differences larger than 1 (sign, not difference) and a rank's own counts of another sign
+pattern than the group's, against a loop in the test: the bias after each step, float32, the
+same tensor returned, the caller's counts unchanged, bitwise identical on every rank of the group, one all-reduce of E
+int64 in the group per update; on the world and the subgroups (N = 3: {0, 1} with rank 2 a
+bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}). ``BiasBalancer.route`` on a
+skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens, against the
+loop: step s's experts chosen with the bias of steps 1 ... s-1, then the bias updated with
+the group's choices.
+
 Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
 code and the reference (matmuls over other batches, gradients summed over ranks), the
 absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
@@ -623,6 +640,123 @@ def ep_dp_on_rank() -> None:
                     assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
 
 
+# ----------------------------------------------------------------------------- bias balance
+
+B_EXPERTS, B_GAMMA = 6, 0.01
+B_LOADS = ([4, 4, 1, 7, 2, 6], [10, 0, 5, 5, 3, 7], [3, 3, 3, 3, 3, 3], [0, 12, 6, 6, 1, 11])  # group loads, ties with the mean
+
+
+def bias_counts(step: int, member: int, m: int) -> torch.Tensor:
+    """Member ``member`` of m's counts at ``step``: the members' counts sum to B_LOADS[step];
+    member 0 gets what is left, the others a reversed share (their own sign pattern differs)."""
+    load = torch.tensor(B_LOADS[step], dtype=torch.int64)
+    others = [torch.div(load.flip(0) * (j + 1), 2 * m, rounding_mode="floor").minimum(load // m) for j in range(1, m)]
+    share = [load - sum(others, torch.zeros_like(load))] + others
+    return share[member]
+
+
+def ref_bias_step(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch.Tensor:
+    load = load.double()
+    return (bias.double() + gamma * torch.sign(load.mean() - load)).float()
+
+
+def bias_balance_on_rank() -> None:
+    from labkit.moe import BiasBalancer, route
+    rank = dist.get_rank()
+    # route with a bias: per rank, no communication
+    for salt, (dtype, k) in enumerate((d, k) for d in DTYPES for k in (1, 2, 3)):
+        what = f"moe.bias_balance: route(bias=...) on rank {rank}, {NAMES[dtype]}, k={k}, E={R_EXPERTS}, T={R_TOKENS}"
+        gen = torch.Generator().manual_seed(5000 + 100 * rank + salt)
+        x = torch.randn(R_TOKENS, R_HIDDEN, generator=gen, dtype=torch.float64).to(dtype)
+        gate = torch.randn(R_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True)
+        bias = (torch.randn(R_EXPERTS, generator=gen, dtype=torch.float64) * 0.3).float().requires_grad_(True)
+        x64, gate64 = x.double(), gate.detach().double()
+        experts, weights, probs, logits = route(x, gate, k, bias=bias)
+        for name, t in (("weights", weights), ("probs", probs), ("logits", logits)):
+            assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
+                f"{what}: {name} must be {dtype} (the dtype of x), got {getattr(t, 'dtype', type(t))}"
+        assert experts.dtype == torch.int64 and experts.shape == (R_TOKENS, k), \
+            f"{what}: experts must be int64 [T, k], got {experts.dtype} {tuple(experts.shape)}"
+        ref_logits = x64 @ gate64.t()
+        near(logits, ref_logits.to(dtype), what + ": logits = x W^T")
+        near(probs, ref_softmax(ref_logits).to(dtype), what + ": softmax probabilities (unbiased)")
+        scores = probs.detach().float() + bias.detach()
+        ordered = torch.sort(scores, dim=1, descending=True, stable=True)
+        assert (ordered.values[:, k - 1] - ordered.values[:, k] > 1e-4).all(), "test set-up: no near tie at the k-th choice"
+        want = ordered.indices[:, :k]
+        unbiased = torch.sort(probs.detach().float(), dim=1, descending=True, stable=True).indices[:, :k]
+        assert not torch.equal(want, unbiased), "test set-up: the bias should change some choices"
+        assert torch.equal(experts, want), \
+            f"{what}: experts must be the top-k of probs + bias (float32), highest first\n got {experts.tolist()}\n want {want.tolist()}"
+        near(weights, ref_weights(gate64, x64, experts, k).to(dtype),
+             what + (": k = 1 weight = the unbiased chosen probability" if k == 1 else
+                     ": weights = the unbiased probabilities of the chosen, renormalised"))
+        c = torch.randn(R_TOKENS, k, generator=gen, dtype=torch.float64)
+        task_grad, bias_grad = torch.autograd.grad((weights * c.to(dtype)).sum(), (gate, bias), allow_unused=True)
+        g = gate64.clone().requires_grad_(True)
+        ref_task, = torch.autograd.grad((ref_weights(g, x64, experts, k) * c).sum(), g)
+        near(task_grad, ref_task.to(dtype), what + ": gate gradient of sum(weights * c) (the bias enters no weight)")
+        assert bias_grad is None or not bias_grad.any(), f"{what}: the bias must get no gradient, got {bias_grad}"
+    for group_name, members, group in groups_of_world():
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        # update against a loop
+        what = f"moe.bias_balance: BiasBalancer.update on rank {rank}, {group_name}, gamma={B_GAMMA}"
+        balancer = BiasBalancer(B_EXPERTS, gamma=B_GAMMA, group=group)
+        ref, differ = torch.zeros(B_EXPERTS), 0
+        for step in range(len(B_LOADS)):
+            counts = bias_counts(step, me, m)
+            local, glob = counts.double(), torch.tensor(B_LOADS[step], dtype=torch.float64)
+            differ += not torch.equal(torch.sign(local.mean() - local), torch.sign(glob.mean() - glob))
+            before = counts.clone()
+            with CommTracer() as tracer:
+                got = balancer.update(counts)
+            assert torch.equal(counts, before), \
+                f"{what}, step {step + 1}: update must leave the caller's counts as they were, got {counts.tolist()} from {before.tolist()}"
+            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
+            where = f"{what}, step {step + 1}, group load {B_LOADS[step]}, my counts {counts.tolist()}"
+            assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
+            assert balancer.bias.dtype == torch.float32 and balancer.bias.shape == (B_EXPERTS,), \
+                f"{where}: bias must be float32 [E], got {balancer.bias.dtype} {tuple(balancer.bias.shape)}"
+            assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over the group",
+                         rtol=0, atol=1e-6)
+            assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)],
+                            where + f" (one all-reduce of the E int64 counts in group {members})")
+            every = [torch.empty_like(balancer.bias) for _ in members]
+            dist.all_gather(every, balancer.bias.clone(), group=group)
+            assert all(torch.equal(b, balancer.bias) for b in every), f"{where}: the bias differs between ranks of the group"
+        assert m == 1 or differ >= 2, f"test set-up: rank {rank}'s own counts should differ in sign from the group's, {differ} steps"
+        # route with the balancer over steps: route first, then update with the group's choices
+        for k in (1, 2, 3):
+            what = f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}, gamma=0.05, skewed gate"
+            balancer = BiasBalancer(B_EXPERTS, gamma=0.05, group=group)
+            gen = torch.Generator().manual_seed(7000 + k)
+            gate = torch.randn(B_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
+            gate[0] += 1.5 / math.sqrt(R_HIDDEN)  # mildly skewed towards expert 0 (no probability rounds away next to the bias)
+            ref, changed = torch.zeros(B_EXPERTS), False
+            for step in range(4):
+                xs = [0.5 * torch.randn(R_TOKENS, R_HIDDEN, generator=torch.Generator().manual_seed(100 * step + j),
+                                        dtype=torch.float64) for j in range(m)]
+                experts, weights, _, _ = balancer.route(xs[me], gate, k)
+                picks = []
+                for j in range(m):
+                    p = ref_softmax(xs[j] @ gate.t())
+                    biased = torch.sort(p.float() + ref, dim=1, descending=True, stable=True)
+                    assert (biased.values[:, k - 1] - biased.values[:, k] > 1e-5).all(), "test set-up: no near tie at the k-th choice"
+                    picks.append(biased.indices[:, :k])
+                    changed |= not torch.equal(picks[-1], p.argsort(dim=1, descending=True, stable=True)[:, :k])
+                where = f"{what}, step {step + 1}"
+                assert torch.equal(experts, picks[me]), \
+                    f"{where}: experts must be chosen with the bias of the earlier steps\n got {experts.tolist()}\n want {picks[me].tolist()}"
+                near(weights, ref_weights(gate, xs[me], experts, k), where + ": weights (unbiased)")
+                load = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for t in picks)
+                ref = ref_bias_step(ref, load, 0.05)
+                assert_close(balancer.bias, ref, where + f": bias after the update with the group's load {load.tolist()}",
+                             rtol=0, atol=1e-6)
+            assert changed, "test set-up: the bias should change some choices"
+
+
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_router(world_size):
@@ -651,3 +785,9 @@ def test_layer(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ep_dp(world_size):
     run_graded("moe.ep_dp", ep_dp_on_rank, world_size, timeout=120)
+
+
+@task("moe.bias_balance", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_bias_balance(world_size):
+    run_graded("moe.bias_balance", bias_balance_on_rank, world_size)
