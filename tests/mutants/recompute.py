@@ -197,3 +197,13 @@ MUTANTS += [
            find="            logits = hidden[rows].float() @ w.T\n",
            replace="            logits = (hidden[rows] @ weight.T).float()\n"),
 ]
+
+EQUIVALENT.update({
+    "recompute.chunked_ce/int/bda9dc89": "the class index put in ignored rows (0 -> 1) is gathered and then masked out: any valid class gives the same loss",
+    "recompute.chunked_ce/int/23b3aedb": "the class index put in ignored rows (0 -> 1) gets the -1 and then the row is zeroed: same gradient",
+    "recompute.chunked_ce/int/12f1c335": "ones_like(g[:, :2]) as scatter_add_'s src: only the index's [rows, 1] part of src is read",
+    "recompute.chunked_ce/delete/a25c5e08": "del logits in forward: the name is rebound next chunk; at most one more chunk alive at once, "
+                                            "within the measured bound of 4 chunks (a constant, not growing with N)",
+    "recompute.chunked_ce/delete/e2938dcb": "del logits in backward: freed when the chunk ends anyway; at most one more chunk alive, within the 4-chunk bound",
+    "recompute.chunked_ce/delete/d3d767ea": "del g: rebound next chunk; at most one more chunk alive, within the 4-chunk bound",
+})
