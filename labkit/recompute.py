@@ -39,6 +39,7 @@ Tasks (run ``labkit grade recompute``; tests in ``tests/grading/test_recompute.p
     recompute.offload     OffloadPool: pack, unpack, prefetch
     recompute.accumulate  accumulate: token-weighted micro-batches, one all-reduce per parameter at the end
     recompute.optimizer_offload  OffloadedAdamW: fp32 master and moments on the host, 16-bit on the device
+    recompute.chunked_ce  chunked_cross_entropy: the LM loss over chunks of rows, logits recomputed in backward
 Bad input (k < 1, no micro-batches, a dropout probability outside [0, 1), an optimizer without
 parameters) raises ValueError before anything runs.
 """
@@ -512,3 +513,91 @@ def accumulate(model: nn.Module, micro_batches, loss_fn, group=None) -> torch.Te
                 p.grad.div_(n)
     # END SOLUTION
     return total
+
+
+# ----------------------------------------------------------------------------- chunked cross-entropy
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, one chunk of
+    ``chunk_size`` rows at a time: forward keeps only each row's log-sum-exp (N floats); backward
+    recomputes each chunk's logits, turns them into that chunk's gradient
+    ``(softmax - onehot) * grad / count`` and drops them before the next chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size, ignore_index):
+        n = hidden.shape[0]
+        keep = targets != ignore_index
+        count = keep.sum()
+        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.float()
+        b = None if bias is None else bias.float()
+        # BEGIN SOLUTION recompute.chunked_ce: per chunk of rows: logits = h.float() @ w.T (+ b); lse = torch.logsumexp (max subtracted); total += (lse - logits[row, target]) over kept rows; save hidden, weight, bias, targets, lse; return total / count
+        for start in range(0, n, chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = hidden[rows].float() @ w.T
+            if b is not None:
+                logits = logits + b
+            lse[rows] = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, torch.where(keep[rows], targets[rows], 0).unsqueeze(1)).squeeze(1)
+            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum()
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return total / count
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        chunk_size, ignore_index = ctx.chunk_size, ctx.ignore_index
+        keep = targets != ignore_index
+        w = weight.float()
+        b = None if bias is None else bias.float()
+        grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_w = torch.zeros_like(w)
+        grad_b = None if bias is None else torch.zeros_like(b)
+        # BEGIN SOLUTION recompute.chunked_ce: scale = grad / count; per chunk recompute the logits, g = (exp(logits - lse) - onehot) * scale, zero on ignored rows (torch.where: all ignored gives zero gradients, as torch); grad_h[rows] = g @ w, grad_w += g.T @ h, grad_b += g.sum(0)
+        scale = grad / keep.sum()
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows].float()
+            logits = h @ w.T
+            if b is not None:
+                logits = logits + b
+            g = torch.exp(logits - lse[rows].unsqueeze(1))
+            del logits
+            g.scatter_add_(1, torch.where(keep[rows], targets[rows], 0).unsqueeze(1), -torch.ones_like(g[:, :1]))
+            g = g * torch.where(keep[rows], scale, 0.0).unsqueeze(1)
+            grad_h[rows] = g @ w
+            grad_w += g.T @ h
+            if grad_b is not None:
+                grad_b += g.sum(0)
+            del g
+        # END SOLUTION
+        return (grad_h.to(hidden.dtype), grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int,
+                          bias: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T + bias, targets, ignore_index=ignore_index)`` (the mean
+    over the tokens whose target is not ``ignore_index``) without the [N, V] logits: ``hidden``
+    is [N, h] (N tokens; flatten [s, b, h] first), ``weight`` [V, h], ``bias`` [V] or None,
+    ``targets`` [N] integers. The logits of ``chunk_size`` rows at a time exist, in forward and
+    again (recomputed) in backward: chunk_size x V x 4 bytes instead of N x V x 4.
+
+    Logits, softmax and the sums are computed in fp32 whatever the inputs' dtype (bf16 and fp16
+    included); the loss returned is an fp32 scalar, the gradients come back in each input's
+    dtype. The log-sum-exp subtracts the row's max, so logits of 1e4 do not overflow. When every
+    target is ignored the loss is nan (0 / 0) and the gradients are zero, as torch's."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"recompute: chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"recompute: hidden [N, h] and weight [V, h] needed, got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"recompute: targets must be [N] = {tuple(hidden.shape[:1])}, got {tuple(targets.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"recompute: bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, chunk_size, ignore_index)

@@ -705,3 +705,159 @@ def test_accumulate(world_size):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_optimizer_offload(world_size):
     run_graded("recompute.optimizer_offload", optimizer_offload_on_rank, world_size, timeout=120)
+
+
+# ----------------------------------------------------------------------------- chunked cross-entropy
+#
+# recompute.chunked_ce, checked on every rank (its own data) at world sizes 1 and 2: loss and the
+# gradients of hidden, weight and bias against F.cross_entropy(h @ W.T + b) on fp32 copies of the
+# inputs, for chunk sizes 1, 7 (not dividing the 20 tokens), 20 and 31; fp32, bf16 and fp16 inputs
+# (loss fp32, gradients in each input's dtype, within that dtype's tolerance of the fp32 reference);
+# bias None and given; ignore_index -100, 2 (a class id) and 50 (beyond V), with one chunk of 7
+# whose targets are all ignored; every target ignored (nan loss, zero gradients, as torch);
+# logits near 1e4 in fp32 (a naive exp overflows); the live [rows, V] tensors measured over
+# forward + backward (PeakMemory restricted to them): at most 4 chunks' worth, where the plain loss
+# holds all N rows; 3 AdamW steps of a tiny LM head against the plain loss.
+
+CE_N, CE_H, CE_V = 20, 6, 11
+
+
+class LogitsPeak:
+    """Peak bytes of live [rows, V] tensors (rows != h, so the weight's transpose is not one)."""
+
+    def __init__(self, v: int, h: int):
+        from labkit.memory import PeakMemory
+
+        class Only(PeakMemory):
+            def _track(self, t):
+                if t.dim() == 2 and t.shape[-1] == v and t.shape[0] != h:
+                    super()._track(t)
+
+        self.mode = Only(device="cpu")
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+    @property
+    def peak(self) -> int:
+        return self.mode.peak_bytes
+
+
+def ce_data(rank, n, h, v, dtype, ignore_index, seed=0, scale=1.0):
+    gen = torch.Generator().manual_seed(100 * rank + seed)
+    hidden = (torch.randn(n, h, generator=gen) * scale).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) * scale).to(dtype)
+    bias = torch.randn(v, generator=gen).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[3] = ignore_index
+    targets[7:14] = ignore_index  # the second chunk of 7: every target ignored
+    return hidden, weight, bias, targets
+
+
+def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
+    import torch.nn.functional as F
+    inputs = [t.detach().clone().requires_grad_(True) for t in (hidden, weight) + (() if bias is None else (bias,))]
+    loss = fn(inputs[0], inputs[1], targets, chunk, bias=inputs[2] if bias is not None else None,
+              ignore_index=ignore_index)
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == torch.float32, (
+        f"{what}: the loss must be an fp32 scalar (computed in fp32), got "
+        f"{getattr(loss, 'dtype', type(loss))} {tuple(getattr(loss, 'shape', ()))}")
+    loss.backward()
+    ref_in = [t.detach().float().requires_grad_(True) for t in inputs]
+    logits = ref_in[0] @ ref_in[1].T + (ref_in[2] if bias is not None else 0)
+    ref = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    ref.backward()
+    if torch.isnan(ref):
+        assert torch.isnan(loss), f"{what}: every target ignored: torch's loss is nan (0/0), got {loss.item()}"
+    else:
+        assert_close(loss.detach(), ref.detach(), f"{what}: loss vs F.cross_entropy(h @ W.T + b) in fp32")
+    for name, t, r in zip(("hidden", "weight", "bias"), inputs, ref_in):
+        assert t.grad is not None and t.grad.dtype == t.dtype, (
+            f"{what}: the gradient of {name} must come back in its dtype {t.dtype}, got "
+            f"{None if t.grad is None else t.grad.dtype}")
+        assert_close(t.grad, r.grad.to(t.dtype), f"{what}: gradient of {name} vs F.cross_entropy's")
+    return loss.detach()
+
+
+def chunked_ce_on_rank() -> None:
+    import torch.nn.functional as F
+    from labkit.recompute import chunked_cross_entropy as cce
+    rank = dist.get_rank()
+    task_ = f"recompute.chunked_ce: rank {rank}"
+    h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, torch.float32, -100)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError):
+            cce(h, w, t, bad)
+    for args in ((h, w[:, :-1], t), (h, w, t[:-1]), (h[0], w, t[:1])):
+        with pytest.raises(ValueError):
+            cce(*args, 4)
+    with pytest.raises(ValueError):
+        cce(h, w, t, 4, bias=b[:-1])
+    # correctness over every configuration
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for ignore_index in (-100, 2, 50):
+            h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, dtype, ignore_index)
+            for chunk in (1, 7, CE_N, CE_N + 11):
+                for bias in (None, b):
+                    what = (f"{task_}, {dtype}, ignore_index={ignore_index}, chunk_size={chunk}, "
+                            f"bias={'None' if bias is None else 'given'}")
+                    ce_compare(cce, h, w, bias, t, chunk, ignore_index, what)
+    # every target ignored: nan loss and zero gradients, as torch
+    h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, torch.float32, -100)
+    ce_compare(cce, h, w, b, torch.full_like(t, -100), 7, -100, f"{task_}, every target ignored")
+    # logits near 1e4: exp overflows fp32 unless the row's max is subtracted
+    h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, torch.float32, -100, seed=1, scale=45.0)
+    assert (h @ w.T).abs().max() > 1e4, "test set-up: logits must exceed 1e4"
+    loss = ce_compare(cce, h, w, b, t, 7, -100, f"{task_}, fp32 logits near 1e4 (naive exp overflows)")
+    assert torch.isfinite(loss), f"{task_}: loss {loss.item()} with large logits: the max must be subtracted"
+    # memory: live [rows, V] tensors over forward + backward, measured
+    n, hd, v, chunk = 64, 12, 50, 8
+    h, w, b, t = ce_data(rank, n, hd, v, torch.float32, -100, seed=2)
+    peaks = {}
+    for name, fn in (("chunked", lambda h_, w_, b_: cce(h_, w_, t, chunk, bias=b_)),
+                     ("plain", lambda h_, w_, b_: F.cross_entropy(h_ @ w_.T + b_, t))):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        with LogitsPeak(v, hd) as mem:
+            fn(*leaves).backward()
+        peaks[name] = mem.peak
+    one = chunk * v * 4
+    assert peaks["plain"] >= n * v * 4, f"test set-up: the plain loss's peak {peaks['plain']} B < N V 4 = {n * v * 4} B"
+    assert one <= peaks["chunked"] <= 4 * one, (
+        f"{task_}: the [rows, V] tensors alive at once over forward and backward peaked at {peaks['chunked']} B, "
+        f"want between one chunk's logits ({one} B = {chunk} x {v} x 4) and 4 of them; the plain loss's "
+        f"peak is {peaks['plain']} B (N = {n} rows): logits kept for backward, or computed whole?")
+    # 3 AdamW steps of a tiny LM head against the plain loss
+    torch.manual_seed(rank)
+    emb, head = nn.Embedding(CE_V, CE_H), nn.Linear(CE_H, CE_V)
+    ref_emb, ref_head = nn.Embedding(CE_V, CE_H), nn.Linear(CE_H, CE_V)
+    ref_emb.load_state_dict(emb.state_dict())
+    ref_head.load_state_dict(head.state_dict())
+    hyper = dict(lr=5e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW([*emb.parameters(), *head.parameters()], **hyper)
+    ref_opt = torch.optim.AdamW([*ref_emb.parameters(), *ref_head.parameters()], **hyper)
+    for step in range(3):
+        x, y = tokens(rank, step, batch=3, seq=CE_N // 2)
+        x, y = x.reshape(-1) % CE_V, y.reshape(-1) % CE_V
+        y[::5] = -100
+        loss = cce(torch.tanh(emb(x)), head.weight, y, 7, bias=head.bias)
+        ref = F.cross_entropy(ref_head(torch.tanh(ref_emb(x))), y)
+        assert_close(loss.detach(), ref.detach(), f"{task_}, AdamW step {step}: loss vs the plain loss")
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss.backward()
+        ref.backward()
+        opt.step()
+        ref_opt.step()
+        for i, (p, r) in enumerate(zip([*emb.parameters(), *head.parameters()],
+                                       [*ref_emb.parameters(), *ref_head.parameters()])):
+            assert_close(p.detach(), r.detach(), f"{task_}, AdamW step {step}: parameter {i} vs the plain loss's")
+
+
+@task("recompute.chunked_ce", points=2)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_chunked_ce(world_size):
+    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, timeout=120)

@@ -162,3 +162,48 @@ EQUIVALENT = {
     "recompute.checkpoint/swap/a0f7aed6": "CUDA RNG restore: runs only for CUDA inputs; graded on CPU (coverage exclusion too)",
     "recompute.segments/swap/91d9a4c1": "min(i + k, L) and min(L, i + k) are the same value",
 }
+
+# recompute.chunked_ce
+MUTANTS += [
+    Mutant("recompute.chunked_ce", "mean_of_chunk_means", "averages each chunk's mean: wrong when chunks differ in kept tokens",
+           find="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum()\n",
+           replace="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum() / keep[rows].sum().clamp(min=1) * count / -(-n // chunk_size)\n"),
+    Mutant("recompute.chunked_ce", "ignored_in_denominator", "divides by every token, ignored ones included",
+           find="        return total / count\n", replace="        return total / n\n"),
+    Mutant("recompute.chunked_ce", "ignored_in_gradient", "ignored rows still get a gradient",
+           find="            g = g * torch.where(keep[rows], scale, 0.0).unsqueeze(1)\n",
+           replace="            g = g * scale\n"),
+    Mutant("recompute.chunked_ce", "keeps_all_logits", "builds the whole [N, V] logits and lets autograd keep them",
+           find="        for start in range(0, n, chunk_size):\n            rows = slice(start, start + chunk_size)\n            logits = hidden[rows].float() @ w.T\n",
+           replace="        full = hidden.float() @ w.T\n        for start in range(0, n, chunk_size):\n            rows = slice(start, start + chunk_size)\n            logits = full[rows]\n"),
+    Mutant("recompute.chunked_ce", "no_max_subtraction", "log of the sum of exp without the row's max: overflows at 1e4",
+           find="            lse[rows] = torch.logsumexp(logits, dim=-1)\n",
+           replace="            lse[rows] = logits.exp().sum(-1).log()\n"),
+    Mutant("recompute.chunked_ce", "bias_dropped", "ignores the bias in the loss",
+           find="            logits = hidden[rows].float() @ w.T\n            if b is not None:\n                logits = logits + b\n",
+           replace="            logits = hidden[rows].float() @ w.T\n"),
+    Mutant("recompute.chunked_ce", "bias_dropped_in_backward", "recomputes the logits without the bias",
+           find="            logits = h @ w.T\n            if b is not None:\n                logits = logits + b\n",
+           replace="            logits = h @ w.T\n"),
+    Mutant("recompute.chunked_ce", "last_partial_chunk_lost", "only whole chunks: the last rows are dropped",
+           find="        for start in range(0, n, chunk_size):\n",
+           replace="        for start in range(0, n - n % chunk_size, chunk_size):\n"),
+    Mutant("recompute.chunked_ce", "no_weight_grad_accumulation", "grad_w of the last chunk only",
+           find="            grad_w += g.T @ h\n", replace="            grad_w = g.T @ h\n"),
+    Mutant("recompute.chunked_ce", "ignored_times_inf", "scales ignored rows too, then zeroes them: all ignored gives 0 x inf = nan gradients",
+           find="            g = g * torch.where(keep[rows], scale, 0.0).unsqueeze(1)\n",
+           replace="            g = g * scale * keep[rows].unsqueeze(1)\n"),
+    Mutant("recompute.chunked_ce", "logits_in_input_dtype", "the matmul in the inputs' dtype, upcast after: bf16/fp16 logits lose digits",
+           find="            logits = hidden[rows].float() @ w.T\n",
+           replace="            logits = (hidden[rows] @ weight.T).float()\n"),
+]
+
+EQUIVALENT.update({
+    "recompute.chunked_ce/int/bda9dc89": "the class index put in ignored rows (0 -> 1) is gathered and then masked out: any valid class gives the same loss",
+    "recompute.chunked_ce/int/23b3aedb": "the class index put in ignored rows (0 -> 1) gets the -1 and then the row is zeroed: same gradient",
+    "recompute.chunked_ce/int/12f1c335": "ones_like(g[:, :2]) as scatter_add_'s src: only the index's [rows, 1] part of src is read",
+    "recompute.chunked_ce/delete/a25c5e08": "del logits in forward: the name is rebound next chunk; at most one more chunk alive at once, "
+                                            "within the measured bound of 4 chunks (a constant, not growing with N)",
+    "recompute.chunked_ce/delete/e2938dcb": "del logits in backward: freed when the chunk ends anyway; at most one more chunk alive, within the 4-chunk bound",
+    "recompute.chunked_ce/delete/d3d767ea": "del g: rebound next chunk; at most one more chunk alive, within the 4-chunk bound",
+})
