@@ -218,7 +218,9 @@ def _megatron_a100():
                 "(git show f2e5db402c^:images/cases_april2021.png); vocab 51,200 and seq 2048 and "
                 "'8 NVIDIA 80GB A100 GPUs' per node: that README's text")
     recalled = ("attention heads and the split of model-parallel size into tp x pp (tp = min(8, mp), "
-                "pp = mp / 8): Table 1 of the paper, from memory; the product matches the README")
+                "pp = mp / 8): Table 1 of the paper, from memory; the product matches the README, and for "
+                "the 1T row a secondary account (the 3072 GPUs 'divided into a matrix of (6 x 8 x 64)', "
+                "tp inside a machine) confirms dp=6, tp=8, pp=64")
     notes = ("micro-batch size, schedule (1F1B assumed, the paper also uses its interleaved schedule) "
              "and full recomputation (the FLOP formula counts it) as assumed; plain DDP (zero=0); output "
              "layer tied to the embedding (Megatron's default; the paper's parameter formula "
@@ -360,8 +362,9 @@ def _nemotron():
             "Table 2 (batch size ramp-up: GPUs, tp, pp, dp, iteration time, MFU)")
     verified = ("6144 H100, global batch 2304, 8.0 s per iteration, MFU 41-42%: aiportalx.com's reading of "
                 "Table 2; 96 layers, 8 KV heads, head dim 128, seq 4096: fitmyllm.com's model card; "
-                "tp=8 pp=8/12 with virtual pipeline and micro-batch 1 in NVIDIA's DGXC recipe for the model")
-    recalled = ("the 1536- and 3072-GPU rows (batch 768/1536, 10.3 s, MFU 42.4%/42.3%), tp=8 pp=12, "
+                "'6144 H100 GPUs with 8-way TP, 12-way PP with interleaving and DP to achieve ~42% MFU': a "
+                "summary of the report (metaverse-imagen.gitbook.io); micro-batch 1 in NVIDIA's DGXC recipe")
+    recalled = ("the 1536- and 3072-GPU rows (batch 768/1536, 10.3 s, MFU 42.4%/42.3%), "
                 "dp 16/32/64 and MFU 41.0% of the last row; hidden 18432, 96 heads, FFN 73728 (squared "
                 "ReLU, not gated), vocab 256,000")
     notes = "distributed optimizer (zero=1), interleaved schedule, micro-batch 1, no recomputation assumed"
@@ -380,9 +383,9 @@ def _deepseek_v3():
     cite = ("DeepSeek-AI 2024, 'DeepSeek-V3 Technical Report', arXiv:2412.19437, Sec. 1 (180K H800 GPU-hours "
             "per trillion tokens, 2048 H800), Sec. 3.1-3.2 (PP16, EP64 over 8 nodes, ZeRO-1), Sec. 4.2 (shape)")
     verified = ("2048 H800 and 37B of 671B parameters active per token: several secondary reports "
-                "(36Kr via aizhego.com, docs.lit.ai); about 2.8M GPU-hours in total: tomshardware via "
-                "teknolojikizi.com")
-    recalled = ("180K GPU-hours per trillion tokens, pp=16, ep=64, dp=128 (ZeRO-1), no tp, global batch 15360 "
+                "(36Kr via aizhego.com, docs.lit.ai); 14.8T pre-training tokens in 2.664M GPU-hours "
+                "(= 180K per trillion) and 2.788M in all: docs.lit.ai and ainchina.com quoting the report")
+    recalled = ("pp=16, ep=64, dp=128 (ZeRO-1), no tp, global batch 15360 "
                 "sequences of 4096; 61 layers (3 dense), hidden 7168, 128 heads, 256 routed experts of width "
                 "2048 + 1 shared, top-8, dense FFN 18432, vocab 129,280")
     notes = ("MLA attention modelled as plain multi-head attention of width 7168 (perf.Model has no MLA); "
