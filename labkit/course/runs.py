@@ -293,8 +293,10 @@ def _llama3():
                 "garden/llama-3.1 quoting Balaji's SC'24 slide of the same table; layers 126, hidden 16384, "
                 "FFN 53248, 128 heads, 8 KV heads: aarnphm.xyz and the scaling-book page quoting Table 3; "
                 "400 Gbit/s RoCE per GPU, 8 H100 80GB per server: ai-papers.xuzou.cn reading of Sec. 3.3")
-    recalled = ("dp (64/128/8), seq (8192/8192/131072), batch per DP (32/16/16) and BF16 MFU (43%/41%/38%): "
-                "Table 4 from memory (dp x tp x cp x pp = GPUs and seq x batch = 16M check them); vocab 128,256")
+    recalled = ("seq 8192/8192/131072 and BF16 MFU 43%/41%/38%: Table 4 from memory; dp (64/128/8) and the "
+                "batch per DP (32/16/16) follow from the verified numbers (dp = GPUs / (tp cp pp), batch = "
+                "16M tokens / seq); vocab 128,256 (the scaling-book page); the group order [TP, CP, PP, DP] "
+                "(ssawant.github.io's summary of Sec. 3.3.2)")
     notes = ("FSDP (zero=3 here; the paper keeps parameters gathered between forward and backward), "
              "micro-batch 1, interleaved schedule assumed; 126 layers over pp=16 (the paper drops a layer "
              "from the first and the last stage); the attention FLOP convention of their TFLOP/s is not "
