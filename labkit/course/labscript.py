@@ -84,6 +84,7 @@ WORLD_SIZES: dict[str, WorldSizes] = {
     "11": WorldSizes(_divides(48), "the collective matmul's 48 tokens and 96 hidden channels split evenly"),
     "12": WorldSizes(lambda n: n >= 1, "each rank takes its share, whatever N"),
     "13": WorldSizes(lambda n: n >= 2, "a server and at least one trainer"),
+    "14": WorldSizes(lambda n: n >= 1, "the ranks share the FLOP counts and take turns measuring the CPU, whatever N"),
 }
 
 
