@@ -423,8 +423,9 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #   compute    m x flops_per_token(model) x b s / (tp cp pp) / achieved FLOP/s
 #   recompute  m x the extra FLOPs of the recomputation mode (flops_per_token(model, mode) - it)
 #   tp_comm    Megatron tensor + sequence parallelism (chapters 05, 07): per layer and micro-batch
-#              2 all-gathers and 2 reduce-scatters of the (s/cp) b h activation forward, as many
-#              backward (+2 and 2 when full recomputation runs the forward again), on the TP group
+#              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
+#              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
+#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group
 #   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
 #              2 (cp - 1) backward (K, V again and their gradients), + (cp - 1) with full recompute
 #   ep_comm    per MoE layer, dispatch + combine all-to-alls forward and backward (4; 6 with full
@@ -660,9 +661,8 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
     tp_mb = 0.0
     if tp > 1:
-        per_layer = (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
-                                          + group_time("reduce_scatter", activation, tp, 1, cluster)) / 2
-        tp_mb = layers * per_layer
+        tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
+                                               + group_time("reduce_scatter", activation, tp, 1, cluster))
     cp_mb = 0.0
     if cp > 1:
         kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
