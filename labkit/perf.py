@@ -403,3 +403,366 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 
 
 # ============================================================ the step-time model (perf.step, perf.search)
+#
+# Chapter 08's planner extended from memory to time. The world is chapter 08's grid
+# (dp, pp, cp, tp), TP the fastest axis: rank = ((d * pp + p) * cp + c) * tp + t, so a TP group
+# is `tp` consecutive ranks (stride 1), a CP group has stride tp, a PP group stride tp * cp and
+# a DP group stride tp * cp * pp. Expert parallelism (ep) splits the routed experts of every MoE
+# layer over `ep` ranks of the DP axis (Megatron-core's and DeepSeek's choice: EP inside data
+# parallelism), so ep divides dp and does not change the number of GPUs; the expert weights are
+# then data-parallel over the remaining dp / ep replicas (times cp).
+#
+# One step of a layout, per GPU (the critical rank), with m = global_batch / (dp * microbatch)
+# micro-batches of b sequences of s tokens:
+#   compute    m x flops_per_token(model) x b s / (tp cp pp) / achieved FLOP/s
+#   recompute  m x the extra FLOPs of the recomputation mode (flops_per_token(model, mode) - it)
+#   tp_comm    Megatron tensor + sequence parallelism (chapters 05, 07): per layer and micro-batch
+#              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
+#              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
+#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group
+#   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
+#              2 (cp - 1) backward (K, V again and their gradients), + (cp - 1) with full recompute
+#   ep_comm    per MoE layer, dispatch + combine all-to-alls forward and backward (4; 6 with full
+#              recompute) of the rank's (s/cp) b / tp tokens x top_k x h
+#   pp_comm    per micro-batch, one activation forward and one gradient backward per model chunk
+#              ((s/cp) b h / tp elements: Megatron sends the sequence-parallel shard), v chunks
+#   bubble     (p - 1) / v micro-batch times of the stage (chapter 06: the idle fraction is
+#              (p - 1) / (v m + p - 1) of the pipeline's time, for GPipe, 1F1B and interleaved)
+#   dp_comm    the gradient reduction over the data-parallel group (dp x cp ranks share weights):
+#              ZeRO-0 an all-reduce; ZeRO-1/2 a reduce-scatter + an all-gather of the parameters;
+#              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter.
+#              It overlaps with compute: ZeRO-0 with the backward of the last micro-batch, ZeRO-1/2
+#              with that backward and the forward of the first micro-batch (the parameter
+#              all-gather), ZeRO-3 with every micro-batch's forward and backward;
+#              dp_exposed = max(0, dp_comm - what it hides behind).
+#   total      every term above but dp_comm, plus dp_exposed.
+# Every communication term is labkit.perf.group_time with the group's size and stride, so a
+# group inside a node runs on NVLink and one that spans nodes on the network. Messages are
+# 16-bit (2 bytes an element); parameters and gradients 16-bit with AdamW's fp32 moments and
+# master weights (labkit.budget.adamw_bytes(2, 4): 16 bytes a parameter, ZeRO's count).
+# Left out, on purpose: the optimizer step itself, kernel launch gaps, LayerNorm/bias
+# parameters, the imbalance of the embedding and output layers between pipeline stages.
+
+from labkit import budget  # noqa: E402  (the memory formulas of chapters 08 and 12)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+_ELEMENT = 2                                 # bytes of a 16-bit activation, gradient or parameter
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout: dp x tp x pp x cp GPUs (ep splits the experts inside dp), a ZeRO stage
+    over the data-parallel ranks, the micro-batch size (sequences), the pipeline schedule with
+    ``virtual`` model chunks per rank (interleaved only) and the recomputation mode."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 1                  # 0 DDP, 1, 2, 3 (= FSDP) over the dp axis
+    microbatch: int = 1            # sequences per micro-batch
+    schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved"
+    virtual: int = 1               # interleaved: model chunks (virtual stages) per rank
+    recompute: str = "none"        # "none" | "selective" | "full"
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def key(self) -> tuple:
+        """A total order on layouts (the search breaks ties of time and memory with it)."""
+        return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
+                SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
+                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1)
+
+    def __str__(self) -> str:
+        text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
+        text += f" ep{self.ep}" if self.ep > 1 else ""
+        text += f" zero{self.zero} mb{self.microbatch} {self.schedule}"
+        text += f"(v={self.virtual})" if self.virtual > 1 else ""
+        return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
+
+
+_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_exposed")
+
+
+@dataclass
+class StepTime:
+    """One training step of a layout, per GPU: every term in seconds (see the module's table);
+    ``total`` is the sum of ``_TERMS`` (dp_comm counts only through dp_exposed). ``memory``:
+    bytes on the fullest GPU (``memory_parts`` its split), ``fits``: memory <= the GPU's."""
+    compute: float
+    recompute: float
+    bubble: float
+    tp_comm: float
+    cp_comm: float
+    pp_comm: float
+    ep_comm: float
+    dp_comm: float
+    dp_exposed: float
+    total: float
+    memory: float
+    fits: bool
+    tokens_per_second: float
+    mfu: float
+    layout: Layout | None = None
+    microbatches: int = 0                          # m, per data-parallel replica and step
+    memory_parts: dict | None = None
+
+    def explain(self) -> str:
+        """The terms, one a line, with their share of the step, then memory, throughput, MFU."""
+        lines = [f"layout {self.layout}, {self.microbatches} micro-batches per step"] if self.layout else []
+        for name in _TERMS:
+            value = getattr(self, name)
+            lines.append(f"  {name:<11}{value * 1e3:12.3f} ms  {100 * value / self.total:5.1f}%")
+            if name == "bubble":
+                lines.append(f"  {'(dp_comm':<11}{self.dp_comm * 1e3:12.3f} ms  in all, "
+                             f"{self.dp_comm - self.dp_exposed:.3g} s of it hidden behind compute)")
+        lines.append(f"  {'total':<11}{self.total * 1e3:12.3f} ms")
+        parts = ", ".join(f"{k} {v / 2**30:.1f}" for k, v in (self.memory_parts or {}).items())
+        lines.append(f"memory {self.memory / 2**30:.1f} GiB per GPU ({parts}): "
+                     + ("fits" if self.fits else "does NOT fit"))
+        lines.append(f"{self.tokens_per_second:,.0f} tokens/s, MFU {100 * self.mfu:.1f}%")
+        return "\n".join(lines)
+
+
+def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | None) -> int:
+    """ValueError for a layout that cannot run this model and batch; else m, the micro-batches."""
+    degrees = dict(dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep,
+                   microbatch=layout.microbatch, virtual=layout.virtual)
+    for name, value in degrees.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"perf.step: Layout.{name} must be a positive integer, got {value!r}")
+    if gpus is not None and layout.gpus != gpus:
+        raise ValueError(f"perf.step: dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
+                         f"= {layout.gpus} GPUs, not {gpus}")
+    if layout.zero not in (0, 1, 2, 3):
+        raise ValueError(f"perf.step: ZeRO stage must be 0, 1, 2 or 3, got {layout.zero!r}")
+    if layout.schedule not in SCHEDULES:
+        raise ValueError(f"perf.step: schedule must be one of {SCHEDULES}, got {layout.schedule!r}")
+    if layout.recompute not in RECOMPUTE:
+        raise ValueError(f"perf.step: recompute must be one of {RECOMPUTE}, got {layout.recompute!r}")
+    if layout.virtual > 1 and layout.schedule != "interleaved":
+        raise ValueError(f"perf.step: virtual={layout.virtual} stages per rank need schedule='interleaved'")
+    if layout.schedule == "interleaved" and layout.pp < 2:
+        raise ValueError("perf.step: the interleaved schedule needs a pipeline (pp >= 2)")
+    if model.heads % layout.tp:
+        raise ValueError(f"perf.step: {model.heads} heads do not split over tp={layout.tp}")
+    if model.layers % (layout.pp * layout.virtual):
+        raise ValueError(f"perf.step: {model.layers} layers do not split into pp x virtual = "
+                         f"{layout.pp} x {layout.virtual} equal stages")
+    if model.seq % layout.cp:
+        raise ValueError(f"perf.step: a sequence of {model.seq} tokens does not split over cp={layout.cp}")
+    if layout.ep > 1 and (not model.experts or model.experts % layout.ep or layout.dp % layout.ep):
+        raise ValueError(f"perf.step: ep={layout.ep} must divide the routed experts ({model.experts}) "
+                         f"and the data-parallel degree (dp={layout.dp})")
+    if global_batch < 1 or global_batch % (layout.dp * layout.microbatch):
+        raise ValueError(f"perf.step: a global batch of {global_batch} sequences does not split into "
+                         f"dp={layout.dp} replicas of micro-batches of {layout.microbatch}")
+    m = global_batch // (layout.dp * layout.microbatch)
+    if layout.schedule == "interleaved" and m % layout.pp:
+        raise ValueError(f"perf.step: the interleaved schedule needs the micro-batches (m={m}) to be a "
+                         f"multiple of pp={layout.pp}")
+    return m
+
+
+def in_flight(schedule: str, pp: int, m: int, virtual: int = 1, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline ``rank`` holds at its peak, in units of one
+    whole stage's (L / pp layers): GPipe m; 1F1B min(pp - rank, m); interleaved the warm-up's
+    model chunks + 1 (chapter 06), capped at m v, over v."""
+    # BEGIN SOLUTION perf.step: gpipe m; 1f1b min(pp - rank, m); interleaved min((v-1) pp + 2 (pp-1-rank) + 1, m v) / v
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(pp - rank, m)
+    chunks = min((virtual - 1) * pp + 2 * (pp - 1 - rank) + 1, m * virtual)
+    return chunks / virtual
+    # END SOLUTION
+
+
+def layers_on_rank(model: Model, layout: Layout, rank: int = 0) -> tuple[int, int]:
+    """(layers, MoE layers) on pipeline ``rank``: layer i sits in model chunk i // (L / (pp v)),
+    chunk c on rank c % pp; the leading ``dense_layers`` of an MoE model have a dense FFN."""
+    per_chunk = model.layers // (layout.pp * layout.virtual)
+    mine = [i for i in range(model.layers) if (i // per_chunk) % layout.pp == rank]
+    return len(mine), sum(1 for i in mine if model.experts and i >= model.dense_layers)
+
+
+def parameters_per_gpu(model: Model, layout: Layout, rank: int = 0) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of pipeline ``rank`` holds before ZeRO sharding:
+    attention and dense FFNs split over tp; routed experts over ep and tp; shared experts over
+    tp; the router whole; the embedding (vocab / tp rows) on the first rank, the output layer
+    on the last (one copy when tied and pp = 1); layers as ``layers_on_rank`` places them."""
+    # BEGIN SOLUTION perf.step: count the layers on this rank (dense FFN or MoE); attention + FFN / tp, experts / (ep tp); embedding on rank 0, head on rank pp-1
+    attention, dense_ffn, expert = model.attention_params(), model.ffn_params(), model.ffn_params(model.expert_width)
+    mine, moe = layers_on_rank(model, layout, rank)
+    dense = mine * attention / layout.tp + (mine - moe) * dense_ffn / layout.tp
+    dense += moe * (model.shared_experts * expert / layout.tp + model.hidden * model.experts)
+    experts = moe * model.experts * expert / (layout.ep * layout.tp)
+    table = model.vocab * model.hidden / layout.tp
+    if rank == 0:
+        dense += table
+    if rank == layout.pp - 1 and (layout.pp > 1 or not model.tied):
+        dense += table
+    return dense, experts
+    # END SOLUTION
+
+
+def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 0) -> dict[str, float]:
+    """Bytes on one GPU of pipeline ``rank``: parameters, gradients and AdamW state
+    (labkit.budget.model_state_bytes, 16-bit weights, fp32 moments and master copy) sharded by
+    the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
+    labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
+    L / pp layers x ``in_flight`` micro-batches ("selective" drops the scores, as flash
+    attention does; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
+    fp32 logits, 4 (s / cp) b V / tp. Returns {"params", "grads", "optimizer", "activations",
+    "total"}."""
+    # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
+    m = _check_layout(model, layout, global_batch, None)
+    dense, experts = parameters_per_gpu(model, layout, rank)
+    element = budget.adamw_bytes(_ELEMENT, 4)
+    shards = layout.dp * layout.cp
+    states = budget.model_state_bytes(dense, element, layout.zero, shards)
+    expert_states = budget.model_state_bytes(experts, element, layout.zero, shards // layout.ep)
+    held = in_flight(layout.schedule, layout.pp, m, layout.virtual, rank)
+    activations = budget.korthikanti_activation_bytes(
+        model.layers // layout.pp, model.seq, model.hidden, model.heads, micro=layout.microbatch,
+        tp=layout.tp, cp=layout.cp, held=held, flash=layout.recompute == "selective",
+        full=layout.recompute == "full")
+    if rank == layout.pp - 1:
+        activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
+    parts = {k: states[k] + expert_states[k] for k in ("params", "grads", "optimizer")}
+    return dict(**parts, activations=activations, total=sum(parts.values()) + activations)
+    # END SOLUTION
+
+
+def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
+              gpus: int | None = None) -> StepTime:
+    """One training step of ``global_batch`` sequences of ``model`` in ``layout`` on ``cluster``
+    (the terms of the table above). ``gpus``: also check that the layout uses exactly that many.
+    Raises ValueError for a layout that cannot run the model or the batch."""
+    # BEGIN SOLUTION perf.step: per micro-batch compute + recompute + TP/CP/EP/PP comm; bubble (p-1)/v of it; DP comm exposed beyond the compute it hides behind; memory = the fullest pipeline rank
+    m = _check_layout(model, layout, global_batch, gpus)
+    dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual
+    gpu = cluster.gpu
+    achieved = gpu.achieved_flops or gpu.peak_flops
+    tokens = layout.microbatch * model.seq                       # per micro-batch and replica
+    share = tokens / (tp * cp * pp)                              # of them, per GPU
+    compute_mb = flops_per_token(model, "none") * share / achieved
+    recompute_mb = (flops_per_token(model, layout.recompute) - flops_per_token(model, "none")) * share / achieved
+    full = layout.recompute == "full"
+    layers = model.layers // pp
+    activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
+    tp_mb = 0.0
+    if tp > 1:
+        tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
+                                               + group_time("reduce_scatter", activation, tp, 1, cluster))
+    cp_mb = 0.0
+    if cp > 1:
+        kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
+        cp_mb = layers * (cp - 1) * (4 if full else 3) * group_time("send", kv_bytes, cp, tp, cluster)
+    ep_mb = 0.0
+    moe_layers = max(layers_on_rank(model, layout, r)[1] for r in range(pp)) if ep > 1 else 0
+    if moe_layers:
+        routed = model.seq / cp * layout.microbatch / tp * model.top_k * model.hidden * _ELEMENT
+        ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
+    pp_mb = 0.0
+    if pp > 1:
+        pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
+    stage_mb = compute_mb + recompute_mb + tp_mb + cp_mb + ep_mb + pp_mb
+    bubble = (pp - 1) / v * stage_mb
+
+    # data parallelism: the rank with the most parameters, dense over dp x cp, experts over dp x cp / ep
+    dense, experts = max(parameters_per_gpu(model, layout, r) for r in range(pp))
+    dp_comm = 0.0
+    for params, size, stride in ((dense, dp * cp, tp * cp * pp if dp > 1 else tp),
+                                 (experts, dp * cp // ep, tp * cp * pp * ep if dp > ep else tp)):
+        if size < 2 or not params:
+            continue
+        nbytes = params * _ELEMENT
+        if layout.zero == 0:
+            dp_comm += group_time("all_reduce", nbytes, size, stride, cluster)
+        elif layout.zero < 3:
+            dp_comm += group_time("reduce_scatter", nbytes, size, stride, cluster) \
+                + group_time("all_gather", nbytes, size, stride, cluster)
+        else:
+            dp_comm += m * (2 * group_time("all_gather", nbytes, size, stride, cluster)
+                            + group_time("reduce_scatter", nbytes, size, stride, cluster))
+    backward_mb = compute_mb * 2 / 3 + recompute_mb
+    hides = {0: backward_mb, 1: compute_mb + recompute_mb, 2: compute_mb + recompute_mb,
+             3: m * (compute_mb + recompute_mb)}[layout.zero]
+    dp_exposed = max(0.0, dp_comm - hides)
+
+    total = m * stage_mb + bubble + dp_exposed
+    memory = max((memory_per_gpu(model, layout, global_batch, r) for r in range(pp)), key=lambda d: d["total"])
+    per_second = global_batch * model.seq / total
+    return StepTime(compute=m * compute_mb, recompute=m * recompute_mb, bubble=bubble, tp_comm=m * tp_mb,
+                    cp_comm=m * cp_mb, pp_comm=m * pp_mb, ep_comm=m * ep_mb, dp_comm=dp_comm,
+                    dp_exposed=dp_exposed, total=total, memory=memory["total"],
+                    fits=memory["total"] <= gpu.memory_bytes, tokens_per_second=per_second,
+                    mfu=mfu(per_second, model, layout.gpus, gpu.peak_flops), layout=layout, microbatches=m,
+                    memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")})
+    # END SOLUTION
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
+                      microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
+                      recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
+                      max_ep: int | None = None):
+    """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
+    that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
+    max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
+    first when dp x cp = 1: nothing to shard), each micro-batch size of ``microbatch`` that
+    divides a replica's batch; with pp = 1 only "1f1b" (a pipeline schedule without a
+    pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
+    the layers and whose m is a multiple of pp; each recomputation mode. Layouts that
+    ``step_time`` refuses are not generated."""
+    # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
+    for tp in _divisors(gpus):
+        if model.heads % tp or (max_tp is not None and tp > max_tp):
+            continue
+        for cp in _divisors(gpus // tp):
+            if model.seq % cp or (max_cp is not None and cp > max_cp):
+                continue
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                if model.layers % pp or global_batch % dp:
+                    continue
+                eps = [e for e in _divisors(dp) if model.experts and model.experts % e == 0
+                       and (max_ep is None or e <= max_ep)] or [1]
+                for ep in eps:
+                    for z in (zero if dp * cp > 1 else zero[:1]):
+                        for b in microbatch:
+                            if global_batch % (dp * b):
+                                continue
+                            m = global_batch // (dp * b)
+                            plans = [("1f1b", 1)] if pp == 1 else [
+                                (s, v) for s in schedules for v in ((1,) if s != "interleaved" else virtual)
+                                if s != "interleaved" or (model.layers % (pp * v) == 0 and m % pp == 0)]
+                            for schedule, v in plans:
+                                for r in recompute:
+                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
+                                                 schedule=schedule, virtual=v, recompute=r)
+    # END SOLUTION
+
+
+def search_layouts(model: Model, cluster: Cluster, gpus: int, global_batch: int, top: int = 5,
+                   **limits) -> list[tuple[Layout, StepTime]]:
+    """The ``top`` fastest layouts of ``candidate_layouts(model, gpus, global_batch, **limits)``
+    that fit in the GPUs' memory, as (layout, step_time(...)), fastest first; ties broken by
+    less memory, then by ``Layout.key``. Fewer when fewer fit."""
+    # BEGIN SOLUTION perf.search: step_time of every candidate; keep those that fit; sort by (total, memory, layout.key()); the first `top`
+    if top < 1:
+        raise ValueError(f"perf.search: top must be at least 1, got {top}")
+    found = []
+    for layout in candidate_layouts(model, gpus, global_batch, **limits):
+        result = step_time(model, layout, cluster, global_batch, gpus)
+        if result.fits:
+            found.append((result.total, result.memory, layout.key(), layout, result))
+    found.sort(key=lambda item: item[:3])
+    return [(layout, result) for *_, layout, result in found[:top]]
+    # END SOLUTION
