@@ -126,6 +126,7 @@ class PublishedRun:
     notes: str = ""                # assumptions we made where the paper is silent
     reason: str = ""               # why the model misses it, where it does (see REASONS)
     also: dict = field(default_factory=dict)
+    pipeline_layers: int | None = None   # layers the step model runs when the paper's stages are uneven
     stated_params: str = ""        # the parameter count as the paper writes it ("1.7B", "176,247M")
     rounding: float = 0.015        # relative rounding of the stated figures (consistency's tolerance)
 
@@ -145,6 +146,17 @@ class PublishedRun:
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq
+
+    @property
+    def step_model(self) -> "perf.Model":
+        """The model perf.step_time runs. perf splits the layers into pp equal stages; where the
+        paper's pipeline is uneven (Llama 3: 126 layers on 16 stages, the first and last one
+        layer short; BLOOM: 70 layers + 2 embedding stages' worth on 12 stages of 6), the step
+        time is set by the fullest stage, so the step model has ``pipeline_layers`` = the
+        fullest stage's layers x pp. Throughput is still converted with the paper's model."""
+        if self.pipeline_layers is None:
+            return self.model
+        return replace(self.model, layers=self.pipeline_layers)
 
 
 def narayanan_flops_per_token(model: "perf.Model") -> float:
@@ -260,8 +272,9 @@ def _megatron_h100():
                 "read from images/model_table.png; vocab 131,072, seq 4096, overlapped DP/TP/PP "
                 "communication, H100: that README's text (git show f2e5db402c:README.md)")
     recalled = ""
-    notes = ("micro-batch 1, 1F1B, no recomputation, distributed optimizer (zero=1) assumed (the README "
-             "does not say); FFN 4h non-gated and untied output layer assumed (GPT; the stated sizes match "
+    notes = ("micro-batch 1, 1F1B, distributed optimizer (zero=1) assumed (the README does not say); flash "
+             "attention (Megatron-Core's default through Transformer Engine) as perf's recompute='selective': "
+             "no s x s scores stored, attention's forward recomputed in backward; FFN 4h non-gated and untied output layer assumed (GPT; the stated sizes match "
              "perf.Model.params() with them)")
     rows = [  # size, heads, hidden, layers, tp, pp, dp, gpus, batch, TFLOP/s, MFU %, PFLOP/s
         ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
@@ -277,7 +290,7 @@ def _megatron_h100():
     runs = []
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu, pflops in rows:
         model = _gpt(f"GPT {size}", layers, hidden, heads, 131072, 4096)
-        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1)
+        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1, recompute="selective")
         runs.append(PublishedRun(
             name=f"Megatron-Core GPT-{size}, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=tflops, kind="tflops_model", cluster=dgx_h100(),
@@ -297,8 +310,10 @@ def _llama3():
                 "batch per DP (32/16/16) follow from the verified numbers (dp = GPUs / (tp cp pp), batch = "
                 "16M tokens / seq); vocab 128,256 (the scaling-book page); the group order [TP, CP, PP, DP] "
                 "(ssawant.github.io's summary of Sec. 3.3.2)")
-    notes = ("FSDP (zero=3 here; the paper keeps parameters gathered between forward and backward), "
-             "micro-batch 1, interleaved schedule assumed; 126 layers over pp=16 (the paper drops a layer "
+    notes = ("FSDP that does not reshard after forward (Sec. 3.3.2): with pipeline micro-batches that is one "
+             "parameter all-gather and one gradient reduce-scatter per step, perf's zero=2 (zero=3 would "
+             "regather every micro-batch); flash attention as recompute='selective'; micro-batch 1 and the "
+             "interleaved schedule with v=2 assumed; 126 layers over pp=16 (the paper drops a layer "
              "from the first and the last stage); the attention FLOP convention of their TFLOP/s is not "
              "stated: we use perf.model_flops_per_token (non-causal 12 l h s)")
     model8 = _gpt("Llama 3 405B", 126, 16384, 128, 128256, 8192, kv_heads=8, ffn=53248, gated=True)
@@ -307,12 +322,13 @@ def _llama3():
             (model128, 16384, 8, 16, 16, 380, 0.38)]
     runs = []
     for model, gpus, dp, cp, per_dp, tflops, mfu in rows:
-        layout = perf.Layout(dp=dp, tp=8, pp=16, cp=cp, zero=3, microbatch=1, schedule="interleaved", virtual=2)
+        layout = perf.Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, microbatch=1, schedule="interleaved", virtual=2,
+                             recompute="selective")
         runs.append(PublishedRun(
             name=f"Llama 3 405B, {gpus} H100, seq {model.seq}", citation=cite, model=model, gpu="H100",
             gpus=gpus, layout=layout, global_batch=dp * per_dp, figure=tflops, kind="tflops_model",
             cluster=meta_roce(), verified=verified, recalled=recalled, notes=notes, stated_params="405B", rounding=0.025,
-            also={"mfu": mfu}))
+            also={"mfu": mfu}, pipeline_layers=128))
     return runs
 
 
@@ -356,7 +372,7 @@ def _bloom():
     return [PublishedRun(
         name="BLOOM 176B, 384 A100", citation=cite, model=model, gpu="A100", gpus=384, layout=layout,
         global_batch=2048, figure=150, kind="tflops_hw", cluster=jean_zay(), verified=verified,
-        recalled=recalled, notes=notes, stated_params="176,247M")]
+        recalled=recalled, notes=notes, stated_params="176,247M", pipeline_layers=72)]
 
 
 def _nemotron():
@@ -369,11 +385,13 @@ def _nemotron():
     recalled = ("the 1536- and 3072-GPU rows (batch 768/1536, 10.3 s, MFU 42.4%/42.3%), "
                 "dp 16/32/64 and MFU 41.0% of the last row; hidden 18432, 96 heads, FFN 73728 (squared "
                 "ReLU, not gated), vocab 256,000")
-    notes = "distributed optimizer (zero=1), interleaved schedule, micro-batch 1, no recomputation assumed"
+    notes = ("distributed optimizer (zero=1), interleaved schedule with v=2, micro-batch 1 and flash attention "
+             "(recompute='selective') assumed")
     model = _gpt("Nemotron-4 340B", 96, 18432, 96, 256000, 4096, kv_heads=8, ffn=73728)
     runs = []
     for gpus, batch, step, mfu in ((1536, 768, 10.3, 0.424), (3072, 1536, 10.3, 0.423), (6144, 2304, 8.0, 0.410)):
-        layout = perf.Layout(dp=gpus // 96, tp=8, pp=12, zero=1, microbatch=1, schedule="interleaved", virtual=2)
+        layout = perf.Layout(dp=gpus // 96, tp=8, pp=12, zero=1, microbatch=1, schedule="interleaved", virtual=2,
+                             recompute="selective")
         runs.append(PublishedRun(
             name=f"Nemotron-4 340B, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=step, kind="step_s", cluster=dgx_h100(),
@@ -395,11 +413,11 @@ def _deepseek_v3():
              "all-to-all; the multi-token-prediction module is left out")
     model = _gpt("DeepSeek-V3", 61, 7168, 128, 129280, 4096, ffn=18432, gated=True, experts=256, top_k=8,
                  shared_experts=1, expert_ffn=2048, dense_layers=3)
-    layout = perf.Layout(dp=128, pp=16, ep=64, zero=1, microbatch=1, schedule="1f1b")
+    layout = perf.Layout(dp=128, pp=16, ep=64, zero=1, microbatch=1, schedule="1f1b", recompute="selective")
     return [PublishedRun(
         name="DeepSeek-V3, 2048 H800", citation=cite, model=model, gpu="H800" if "H800" in perf.HARDWARE else "H100",
         gpus=2048, layout=layout, global_batch=15360, figure=180e3, kind="gpu_hours_per_T", cluster=h800_cluster(),
-        verified=verified, recalled=recalled, notes=notes, stated_params="671B")]
+        verified=verified, recalled=recalled, notes=notes, stated_params="671B", pipeline_layers=64)]
 
 
 def _build() -> list[PublishedRun]:
@@ -451,7 +469,7 @@ def with_efficiency(run: PublishedRun, efficiency: float) -> "perf.Cluster":
 
 
 def predicted_tokens_per_gpu(run: PublishedRun, efficiency: float):
-    st = perf.step_time(run.model, run.layout, with_efficiency(run, efficiency), run.global_batch)
+    st = perf.step_time(run.step_model, run.layout, with_efficiency(run, efficiency), run.global_batch)
     return run.tokens_per_step / st.total / run.gpus, st
 
 
@@ -514,7 +532,7 @@ def search_rank(run: PublishedRun, efficiency: float, top: int = 100000, **limit
     """(rank, ranked list) of the published layout's degrees (dp, tp, pp, cp, ep) among
     perf.search_layouts' layouts for the run's model, cluster, GPU count and batch (rank 1 =
     fastest; None when the search does not produce it, e.g. it does not fit or divide)."""
-    ranked = perf.search_layouts(run.model, with_efficiency(run, efficiency), run.gpus, run.global_batch,
+    ranked = perf.search_layouts(run.step_model, with_efficiency(run, efficiency), run.gpus, run.global_batch,
                                  top=top, **limits)
     seen, rank = [], None
     for layout, _ in ranked:
