@@ -124,8 +124,7 @@ def measure_cpu() -> dict:
     matmul = best_time(lambda: torch.mm(a, b))
     copy = best_time(lambda: dst.copy_(src))
     add = best_time(lambda: torch.add(x, y, out=z))
-    small = best_time(lambda: torch.mm(a[:64, :64], b[:64, :64]), repeats=20)
-    return dict(matmul=matmul, copy=copy, add=add, small=small)
+    return dict(matmul=matmul, copy=copy, add=add)
 
 
 def measure_in_turn() -> dict | None:
@@ -182,7 +181,6 @@ def report_roofline(results: list[dict]) -> dict[str, bool]:
           f"(read + write)")
     ops = {  # name -> (FLOPs, bytes, measured seconds)
         f"matmul {MATMUL_N}^3": (2 * MATMUL_N ** 3, 3 * MATMUL_N ** 2 * 4, best["matmul"]),
-        "matmul 64^3": (2 * 64 ** 3, 3 * 64 ** 2 * 4, best["small"]),
         f"add of {COPY_ELEMENTS:,} floats": (COPY_ELEMENTS, 3 * COPY_ELEMENTS * 4, best["add"]),
     }
     try:
