@@ -382,3 +382,12 @@ def test_search_default_limits_and_the_winner():
         assert per_node == 8 or got[0][0].tp <= per_node, \
             f"perf.search: nodes of {per_node}, slow network, but the winner is {got[0][0]}"
     assert search_layouts(model, _cluster(memory=1e6), 16, 64) == [], "perf.search: nothing fits in 1 MB"
+    # max_tp and max_ep cut the candidates, nothing else: the limited ranking is the full one filtered
+    for model, limit, axis in ((model, 2, "tp"), (_moe(layers=4), 2, "ep")):
+        cluster = _cluster(per_node=2, memory=4e9)
+        full = search_layouts(model, cluster, 16, 64, top=10**6)
+        limited = search_layouts(model, cluster, 16, 64, top=5, **{f"max_{axis}": limit})
+        want = [layout for layout, _ in full if getattr(layout, axis) <= limit][:5]
+        assert [layout for layout, _ in limited] == want, \
+            f"perf.search: max_{axis}={limit} returned {[str(l) for l, _ in limited]}, expected {[str(l) for l in want]}"
+        assert any(getattr(layout, axis) > limit for layout, _ in full), f"test set-up: some layout has {axis} > {limit}"
