@@ -339,11 +339,14 @@ def _mtnlg():
     verified = ("layers 105, hidden 20480, 128 heads, seq 2048, global batch 1920, 280/350/420 DGX A100 servers, "
                 "60.1/50.2/44.4 s per iteration and 126/121/113 TFLOP/s per GPU: cli99/llm-analysis "
                 "examples/megatron-turing-nlg/README.md quoting Sec. 2.4; Selene DGX A100 80GB with HDR "
-                "InfiniBand: Microsoft Research blog quoted by gpt3demo.com")
-    recalled = "8-way tensor and 35-way pipeline parallelism (Sec. 2.3; the server counts give dp = 8/10/12)"
+                "InfiniBand: Microsoft Research blog quoted by gpt3demo.com; 'each 530 billion parameter model "
+                "replica spans 280 NVIDIA A100 GPUs, with 8-way tensor-slicing within a node and 35-way pipeline "
+                "parallelism across nodes' (Sec. 2.2) and 'we used 8-way tensor and 35-way pipeline "
+                "parallelism' (Sec. 3): quoted in two course/notes files found by find_string; dp = 8/10/12 "
+                "follows from the server counts")
+    recalled = "ZeRO stage 1 for the data-parallel axis (a secondary note says so too)"
     notes = ("vocab 50,272 (llm-analysis' config); micro-batch 1, 1F1B, full recomputation (their TFLOP/s use "
-             "Narayanan's formula: 126 TFLOP/s x 2240 x 60.1 s / (1920 x 2048) = its FLOPs per token), ZeRO-1 "
-             "(DeepSpeed) assumed")
+             "Narayanan's formula: 126 TFLOP/s x 2240 x 60.1 s / (1920 x 2048) = its FLOPs per token)")
     model = _gpt("MT-NLG 530B", 105, 20480, 128, 50272, 2048, tied=True)
     runs = []
     for nodes, step, tflops in ((280, 60.1, 126), (350, 50.2, 121), (420, 44.4, 113)):
