@@ -127,12 +127,18 @@ class Model:
         return self.layers - self.dense_layers if self.experts else 0
 
     def attention_params(self) -> int:
-        """q and o: hidden x heads x head_size each; k and v: hidden x kv_heads x head_size each."""
+        """One layer's attention projections: q and o are hidden x (heads x head_size) each;
+        k and v hidden x (kv_heads x head_size) each (grouped-query attention shares them)."""
+        # BEGIN SOLUTION perf.flops: q, o: hidden x heads x head_size; k, v: hidden x kv_heads_ x head_size
         return 2 * self.hidden * self.heads * self.head_size + 2 * self.hidden * self.kv_heads_ * self.head_size
+        # END SOLUTION
 
     def ffn_params(self, width: int | None = None) -> int:
-        """One FFN (or one expert) of inner ``width``: 2 (3 if gated) matrices hidden x width."""
+        """One FFN (or one expert) of inner ``width`` (None: ``ffn_width``): up and down
+        projections hidden x width, and a gate of the same shape when ``gated`` (SwiGLU)."""
+        # BEGIN SOLUTION perf.flops: 2 matrices hidden x width, 3 when gated
         return (3 if self.gated else 2) * self.hidden * (width or self.ffn_width)
+        # END SOLUTION
 
     def params(self) -> int:
         """All parameters: token embedding, output layer (unless tied), every layer's attention,

@@ -1,0 +1,93 @@
+"""Wrong implementations of chapter 14 that the grader must fail (see labkit.course.mutants)."""
+
+from labkit.course.mutants import Mutant
+
+MUTANTS = []
+EQUIVALENT = {}
+
+# ============================================================ perf.step, perf.search (perf-B)
+
+MUTANTS += [
+    # perf.step
+    Mutant("perf.step", "bubble_fraction_as_time",
+           "takes the bubble's share of the whole pipeline, (p-1)/(vm+p-1), for its length relative to the "
+           "m micro-batches, (p-1)/(vm): the bubble comes out too short",
+           find="    bubble = (pp - 1) / v * stage_mb\n",
+           replace="    bubble = (pp - 1) / (v * m + pp - 1) * m * stage_mb\n"),
+    Mutant("perf.step", "bubble_ignores_virtual",
+           "forgets that interleaving v chunks per rank divides the bubble by v",
+           find="    bubble = (pp - 1) / v * stage_mb\n",
+           replace="    bubble = (pp - 1) * stage_mb\n"),
+    Mutant("perf.step", "dp_never_overlapped",
+           "adds the whole DP communication to the step, as if nothing ran during backward",
+           find="    dp_exposed = max(0.0, dp_comm - hides)\n",
+           replace="    dp_exposed = dp_comm\n"),
+    Mutant("perf.step", "dp_always_hidden",
+           "assumes backward always hides the DP communication, however slow the network",
+           find="    dp_exposed = max(0.0, dp_comm - hides)\n",
+           replace="    dp_exposed = 0.0\n"),
+    Mutant("perf.step", "zero3_hides_one_microbatch",
+           "lets FSDP's per-micro-batch gathers hide only behind the last backward, like DDP's all-reduce",
+           find="             3: m * (compute_mb + recompute_mb)}[layout.zero]\n",
+           replace="             3: compute_mb * 2 / 3 + recompute_mb}[layout.zero]\n"),
+    Mutant("perf.step", "memory_ignores_zero",
+           "counts the model states as if ZeRO sharded nothing",
+           find="    states = budget.model_state_bytes(dense, element, layout.zero, shards)\n",
+           replace="    states = budget.model_state_bytes(dense, element, 0, shards)\n"),
+    Mutant("perf.step", "zero_shards_over_dp_only",
+           "shards the model states over dp only, forgetting that context-parallel ranks hold the same weights",
+           find="    shards = layout.dp * layout.cp\n",
+           replace="    shards = layout.dp\n"),
+    Mutant("perf.step", "tp_on_network_in_node",
+           "times TP's collectives on the network even when the TP group sits inside a node",
+           find="        tp_mb = layers * (6 if full else 4) * (group_time(\"all_gather\", activation, tp, 1, cluster)\n"
+                "                                               + group_time(\"reduce_scatter\", activation, tp, 1, cluster))\n",
+           replace="        tp_mb = layers * (6 if full else 4) * (collective_time(\"all_gather\", activation, tp, cluster.network)\n"
+                   "                                               + collective_time(\"reduce_scatter\", activation, tp, cluster.network))\n"),
+    Mutant("perf.step", "tp_all_reduce_per_matmul_pair_once",
+           "counts one all-reduce per layer (forward only) instead of the forward and backward ones",
+           find="        tp_mb = layers * (6 if full else 4) * (group_time(",
+           replace="        tp_mb = layers * (3 if full else 2) * (group_time("),
+    Mutant("perf.step", "gpipe_holds_p",
+           "keeps p micro-batches in flight for GPipe too (it keeps all m)",
+           find="    if schedule == \"gpipe\":\n        return m\n",
+           replace="    if schedule == \"gpipe\":\n        return min(pp, m)\n"),
+    Mutant("perf.step", "in_flight_every_rank_p",
+           "gives every 1F1B rank the first rank's p micro-batches in flight",
+           find="        return min(pp - rank, m)\n",
+           replace="        return min(pp, m)\n"),
+    Mutant("perf.step", "peak_not_achieved",
+           "divides the FLOPs by the datasheet peak instead of the achieved FLOP/s",
+           find="    achieved = gpu.achieved_flops or gpu.peak_flops\n",
+           replace="    achieved = gpu.peak_flops\n"),
+    Mutant("perf.step", "experts_not_split_over_ep",
+           "keeps every routed expert on every EP rank",
+           find="    experts = moe * model.experts * expert / (layout.ep * layout.tp)\n",
+           replace="    experts = moe * model.experts * expert / layout.tp\n"),
+    Mutant("perf.step", "pp_sends_once_per_microbatch",
+           "sends one activation per micro-batch whatever the number of model chunks v",
+           find="        pp_mb = 2 * v * group_time(",
+           replace="        pp_mb = 2 * group_time("),
+
+    # perf.search
+    Mutant("perf.search", "first_not_best",
+           "returns the first layouts that fit, in enumeration order, not the fastest",
+           find="    found.sort(key=lambda item: item[:3])\n",
+           replace=""),
+    Mutant("perf.search", "ignores_fits",
+           "ranks layouts that do not fit in memory too",
+           find="        if result.fits:\n",
+           replace="        if True:\n"),
+    Mutant("perf.search", "ties_by_key_only",
+           "breaks ties of step time by the layout alone, not by memory first",
+           find="    found.sort(key=lambda item: item[:3])\n",
+           replace="    found.sort(key=lambda item: (item[0], item[2]))\n"),
+    Mutant("perf.search", "one_microbatch_size",
+           "tries only the first micro-batch size",
+           find="                        for b in microbatch:\n",
+           replace="                        for b in microbatch[:1]:\n"),
+    Mutant("perf.search", "no_interleaving",
+           "never tries the interleaved schedule's virtual stages",
+           find="(s, v) for s in schedules for v in ((1,) if s != \"interleaved\" else virtual)",
+           replace="(s, v) for s in schedules for v in ((1,) if s != \"interleaved\" else ())"),
+]
