@@ -153,3 +153,17 @@ def test_table_lists_every_run_and_its_error():
     assert text.count("fitted on this run") == 2
     missed = R.misses(preds)
     assert missed.count("\n- ") + 1 == sum(not p.within for p in preds) and "NO REASON" not in missed
+
+
+def test_the_published_side_calls_no_task_region(monkeypatch):
+    """The chapter prints table() (published side) and imports the module: neither may run a
+    learner's solution region (in a workspace they raise NotImplementedError)."""
+    def stub(*args, **kwargs):
+        raise NotImplementedError("a solution region was called")
+    for name in ("flops_per_token", "model_flops_per_token", "mfu", "hfu", "step_time", "search_layouts",
+                 "collective_time", "group_time", "op_time"):
+        monkeypatch.setattr(perf, name, stub)
+    for name in ("attention_params", "ffn_params", "active_params"):
+        monkeypatch.setattr(perf.Model, name, stub)
+    assert len(R.runs()) == len(R.RUNS)
+    assert R.table().count("\n") == len(R.RUNS) + 1

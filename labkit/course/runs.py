@@ -25,7 +25,6 @@ scripts and tests may import the course. Importing it calls nothing of the learn
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from labkit import perf
@@ -694,13 +693,14 @@ def table(predictions: list[Prediction] | None = None, ranks: dict | None = None
     """Markdown: run, GPUs, layout, batch, published figure and its MFU; given ``predictions``
     the predicted figure, the throughput error and a verdict (a miss shows its error once its
     mechanism is counted, see ``misses``); given ``ranks`` = {name: rank} the published
-    layout's rank in the search. With ``predictions=None`` only the published side (no call
-    to the learner's code: the chapter's table)."""
-    head = "| run | GPUs | layout | batch | published | published MFU |"
-    rule = "|---|---|---|---|---|---|"
+    layout's rank in the search. With ``predictions=None`` only the published side, calling
+    nothing of labkit.perf's task regions (the chapter's table: chapters never call an
+    exercise); the MFU column needs perf.model_flops_per_token, so it comes with predictions."""
+    head = "| run | GPUs | layout | batch | published |"
+    rule = "|---|---|---|---|---|"
     if predictions is not None:
-        head += " predicted | error | verdict |"
-        rule += "---|---|---|"
+        head += " published MFU | predicted | error | verdict |"
+        rule += "---|---|---|---|"
         if ranks is not None:
             head += " search rank |"
             rule += "---|"
@@ -709,9 +709,9 @@ def table(predictions: list[Prediction] | None = None, ranks: dict | None = None
     items = predictions if predictions is not None else [None] * len(runs())
     for i, p in enumerate(items):
         r = p.run if p is not None else runs()[i]
-        row = (f"| {r.name} | {r.gpus} {r.gpu} | {_layout(r.layout)} | {r.global_batch} | "
-               f"{_fmt(r.kind, r.figure)} | {100 * published_mfu(r):.1f}% |")
+        row = f"| {r.name} | {r.gpus} {r.gpu} | {_layout(r.layout)} | {r.global_batch} | {_fmt(r.kind, r.figure)} |"
         if p is not None:
+            row += f" {100 * published_mfu(r):.1f}% |"
             if p.fitted:
                 mark = "fitted on this run"
             elif p.within:
