@@ -785,10 +785,12 @@ _TP_OVERLAP = ("rank {rank}: the README says TP communication overlaps compute (
                "perf.step_time keeps TP/SP comm on the critical path ({tp_share} of the published step) and "
                "so prefers fewer pipeline stages or less TP: its fastest, {best}, is {gain} faster")
 _LLAMA_MEMORY = ("not ranked: perf's memory estimate for the published layout is {memory} per GPU, over the "
-                 "H100's 80 GB: perf's interleaved schedule keeps the warm-up's (v-1) pp + 2 (pp-1) + 1 "
-                 "micro-batch chunks of activations on the first rank; Meta tuned the schedule and "
-                 "deallocated tensors early to fit (Sec. 3.3.2), which perf does not model. The search only "
-                 "ranks layouts that fit by perf's estimate; its fastest is {best}")
+                 "H100's 80 GB: the first pipeline rank holds the activations of pp micro-batches (1F1B) or "
+                 "of the interleaved warm-up's (v-1) pp + 2 (pp-1) + 1 chunks, 8192 or 131072/cp tokens each; "
+                 "Meta tuned the schedule and deallocated tensors early to fit (Sec. 3.3.2), which perf does "
+                 "not model. The restricted search only ranks layouts that fit by perf's estimate (its fastest "
+                 "is {best}); the unrestricted one, where full recomputation fits them, ranks these degrees "
+                 "5th to 8th")
 SEARCH_REASONS: dict[str, str] = {
     "Megatron GPT-18B, 256 A100": _TP_2021,
     "Megatron GPT-39B, 512 A100": _TP_2021,
