@@ -20,7 +20,8 @@ from labkit.comm import fit_alpha_beta
 from labkit.runtime.netbed import NetbedError, NetbedUnavailable, netem_available, node_address, run_on_nodes, unavailable
 
 __all__ = ["run_on_nodes", "calibrate", "ping_pong", "unavailable", "netem_available", "node_address",
-           "NetbedError", "NetbedUnavailable"]
+           "NetbedError", "NetbedUnavailable", "validate", "Plan", "Validation", "Row", "Verdict", "Link",
+           "collective_time", "predict_all_reduce", "predict_tp", "predict_pipeline", "predict_dp", "links_of"]
 
 SIZES = (1 << 10, 1 << 14, 1 << 17, 1 << 19, 1 << 21)  # 1 KiB .. 2 MiB
 
@@ -68,3 +69,440 @@ def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit",
                          bandwidth=bandwidth, latency_us=latency_us, timeout=timeout)[0]
     fits = {k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items() if v}
     return dict(fits, times=times)
+
+
+# ============================================================================= chapter 14: the model held to the bed
+# The alpha-beta model (chapter 00), calibrated per link class on the bed, predicts the step time
+# of three pairs of layouts run on the same bed, in the same launch, right after the calibration
+# (``validate``). What the model is:
+#
+# * a message of s bytes on a link: alpha + s / bandwidth, fitted from ping-pongs (``calibrate``);
+#   across nodes alpha comes out NEGATIVE on this bed: tc's token bucket lets the first 64 KiB of
+#   an idle link through at once (its burst), so a lone message of s bytes costs (s - 64 KiB) /
+#   rate plus microseconds. The fit says so; a message across is never predicted faster than the
+#   same message inside a node (``_message``'s floor).
+# * a collective: the ring formulas (``collective_time``: 2(N-1) steps of S/N for an all-reduce,
+#   N-1 for a reduce-scatter or all-gather), each step one message on the slowest link it uses;
+# * a node has ONE link to the switch (no rails): k flows crossing it at once in one direction
+#   share it, each at bandwidth / k;
+# * compute: measured on the bed (the same step with every collective a no-op, all ranks at once),
+#   added where it sits on the critical path (TP, DP: after or between the collectives; PP: the
+#   flow-shop of chapter 06's GPipe schedule, where the link is one more stage).
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+try:  # chapter 14's own model, when labkit.perf has it: the same formulas are then what the bed checks
+    from labkit.perf import Link, collective_time
+    MODEL = "labkit.perf.collective_time"
+except ImportError:  # pragma: no cover - until labkit.perf lands
+    MODEL = "labkit.netbed.collective_time (chapter 00's ring formulas, as labkit.comm.ring_all_reduce_time)"
+
+    @dataclass(frozen=True)
+    class Link:
+        """A link class: ``alpha`` seconds per message, ``bandwidth`` bytes/s one direction."""
+        alpha: float
+        bandwidth: float
+
+    def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = "ring") -> float:
+        """Ring collectives on ``ranks`` ranks over ``link`` (chapter 00): ``nbytes`` is the whole
+        buffer (all-reduce input, all-gather output, reduce-scatter input); "send": one message."""
+        if algo != "ring":
+            raise ValueError(f"collective_time: only the ring here, got {algo!r}")
+        if op == "send":
+            return link.alpha + nbytes / link.bandwidth
+        if ranks <= 1:
+            return 0.0
+        steps = {"all_reduce": 2 * (ranks - 1), "reduce_scatter": ranks - 1, "all_gather": ranks - 1}
+        if op not in steps:
+            raise ValueError(f"collective_time: unknown op {op!r}")
+        return steps[op] * (link.alpha + nbytes / ranks / link.bandwidth)
+
+
+def links_of(calibration: dict) -> dict[str, Link]:
+    """{"inside": Link, "across": Link} from ``calibrate``'s (alpha, beta) fits."""
+    return {k: Link(calibration[k][0], 1.0 / calibration[k][1]) for k in ("inside", "across")}
+
+
+def shared(link: Link, flows: int) -> Link:
+    """``link`` as each of ``flows`` flows crossing it at once sees it."""
+    return Link(link.alpha, link.bandwidth / flows)
+
+
+def _message(op: str, nbytes: float, ranks: int, links: dict, where: str, flows: int = 1) -> float:
+    """A collective on ``where`` ("inside" or "across", ``flows`` at once on a node's link); a
+    collective across never faster than the same one inside (the bucket's burst can't beat loopback)."""
+    inside = collective_time(op, nbytes, ranks, links["inside"])
+    if where == "inside":
+        return inside
+    return max(collective_time(op, nbytes, ranks, shared(links["across"], flows)), inside)
+
+
+def predict_all_reduce(nbytes: float, links: dict, nodes: int = 2, ranks_per_node: int = 2) -> dict[str, float]:
+    """Seconds of an all-reduce of ``nbytes`` on ``nodes x ranks_per_node`` ranks:
+    * "flat": the ring over the world in rank order (gloo's ``dist.all_reduce``): 2(N-1) steps of
+      S/N; every step waits for its hop across nodes (one flow per direction on each link);
+    * "hierarchical" (``labkit.compress.hierarchical_all_reduce``): a ring reduce-scatter inside
+      the node, the all-reduce of the S/L shard across nodes (the L ranks of a node send at once:
+      L flows share its link), the all-gather inside."""
+    world, local = nodes * ranks_per_node, ranks_per_node
+    shard = math.ceil(nbytes / 4 / local) * 4
+    flat = _message("all_reduce", nbytes, world, links, "across" if nodes > 1 else "inside")
+    hier = (_message("reduce_scatter", shard * local, local, links, "inside")
+            + _message("all_reduce", shard, nodes, links, "across", flows=local)
+            + _message("all_gather", shard * local, local, links, "inside"))
+    return {"flat": flat, "hierarchical": hier}
+
+
+def predict_tp(tokens: int, hidden: int, layers: int, degree: int, links: dict, where: str, flows: int = 1,
+               compute: float = 0.0, element_bytes: int = 4) -> dict[str, float]:
+    """A training step of ``labkit.tp.tensor_parallel``'s GPT (untied head) on ``degree`` ranks:
+    4 layers + 2 all-reduces of the activation [tokens, hidden] (forward: the embedding's g and
+    two g per block; backward: two f per block and the head's f) and 3 of one number per token
+    (the vocabulary-parallel loss), on ``where`` with ``flows`` TP groups sharing a node's link;
+    plus ``compute`` (measured)."""
+    act = tokens * hidden * element_bytes
+    comm = ((4 * layers + 2) * _message("all_reduce", act, degree, links, where, flows)
+            + 3 * _message("all_reduce", tokens * element_bytes, degree, links, where, flows))
+    return {"comm": comm, "compute": compute, "total": comm + compute}
+
+
+def predict_pipeline(activation_bytes: float, microbatches: int, links: dict, forward: tuple, backward: tuple,
+                     where: str = "across") -> dict[str, float]:
+    """A GPipe step (chapter 06) of two stages, one per node: every micro-batch's activation
+    (``activation_bytes`` each) goes forward over the link, its gradient back. The link is one
+    more stage of a flow shop: with per-micro-batch times f0 (stage 0), c (the message), f1,
+    the forward takes f0 + c + f1 + (m - 1) max(f0, c, f1), the backward b1 + c + b0 + (m - 1)
+    max(b1, c, b0). ``forward`` = (f0, f1), ``backward`` = (b1, b0): measured compute."""
+    c = _message("send", activation_bytes, 2, links, where)
+    m = microbatches
+    fwd = sum(forward) + c + (m - 1) * max(*forward, c)
+    bwd = sum(backward) + c + (m - 1) * max(*backward, c)
+    compute = sum(forward) + sum(backward) + (m - 1) * (max(forward) + max(backward))
+    total = fwd + bwd
+    return {"comm": total - compute, "compute": compute, "total": total}
+
+
+def predict_dp(param_bytes: float, replicas: int, links: dict, where: str, flows: int = 1,
+               compute: float = 0.0) -> dict[str, float]:
+    """A data-parallel step: compute (measured), then one all-reduce of the gradients
+    (``param_bytes``, one flat buffer) over ``replicas`` ranks, ``flows`` such groups sharing a
+    node's link."""
+    comm = _message("all_reduce", param_bytes, replicas, links, where, flows)
+    return {"comm": comm, "compute": compute, "total": comm + compute}
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``validate`` runs (defaults: network time dominates at 100 Mbit/s, compute is tens of
+    ms, one launch takes about 30-40 s on a loaded 2-core machine)."""
+    bandwidth: str = "100mbit"
+    repeats: int = 5                       # measured steps per layout (after one warm-up), interleaved
+    # the fit (chapter 00, from whole all-reduces on 2 ranks: per step, S/2 bytes in t/2 seconds)
+    inside_sizes: tuple = (1 << 16, 1 << 20, 1 << 22)    # all-reduce bytes, ranks 0 and 1 (one node)
+    across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21)    # ranks 0 and 2 (one per node): steps of 256 KiB - 1 MiB
+    calibration_repeats: int = 5                         # the median of these (after one warm-up)
+    allreduce_bytes: int = 4 << 20         # (a): 4 MiB of fp32
+    # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
+    seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
+                      ("tie_weights", False))
+    seq_batch: int = 256
+    microbatches: int = 2
+    # (c) TP inside x DP across vs DP over all four: gradients of ~0.9 M parameters, few tokens
+    grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 192),
+                       ("tie_weights", False))
+    grid_batch: int = 8
+
+
+@dataclass
+class Row:
+    experiment: str            # "allreduce" | "pp_vs_tp" | "2d"
+    layout: str
+    predicted_s: float
+    measured_s: float          # median over the repeats of the slowest rank's step
+    error: float               # measured / predicted - 1
+    comm_s: float              # the prediction's two terms
+    compute_s: float
+    samples: list = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    experiment: str
+    faster: str                # by the measured medians
+    slower: str
+    measured_speedup: float    # slower / faster, measured
+    predicted_speedup: float   # the same two layouts, predicted
+    agree: bool                # the prediction picks the same winner
+
+
+@dataclass
+class Validation:
+    links: dict                # {"inside": Link, "across": Link}, fitted on this bed in this launch
+    rows: list
+    verdicts: list
+    bandwidth: str = ""
+    model: str = MODEL
+    calibration: dict = field(default_factory=dict)   # the ping-pong times {class: {bytes: s}}
+    details: dict = field(default_factory=dict)       # measured compute pieces, traced collectives
+
+    def ok(self, tolerance: float = 0.25) -> bool:
+        return all(abs(r.error) <= tolerance for r in self.rows) and all(v.agree for v in self.verdicts)
+
+    def table(self) -> str:
+        lines = [f"emulated nodes 2 x 2, {self.bandwidth}/s between nodes; model: {self.model}",
+                 "links: " + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e6:.1f} MB/s"
+                                       for k, v in self.links.items()),
+                 f"{'experiment':10} {'layout':38} {'predicted':>10} {'measured':>10} {'error':>7}"]
+        for r in self.rows:
+            lines.append(f"{r.experiment:10} {r.layout:38} {r.predicted_s * 1e3:8.1f}ms {r.measured_s * 1e3:8.1f}ms "
+                         f"{r.error:+7.1%}")
+        for v in self.verdicts:
+            lines.append(f"{v.experiment}: {v.faster} beats {v.slower} by {v.measured_speedup:.2f}x measured, "
+                         f"{v.predicted_speedup:.2f}x predicted ({'agree' if v.agree else 'DISAGREE'})")
+        return "\n".join(lines)
+
+
+def _race(candidates: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Every rank: seconds of each ``candidates[name]()`` from a common barrier, interleaved
+    (A B, then B A, ...) after ``warmup`` rounds: wall-clock under ``name``, this process's CPU
+    seconds (``time.process_time``, every thread) under ``name + " cpu"``. The caller takes the
+    slowest rank's."""
+    names = list(candidates)
+    times = {key: [] for name in names for key in (name, name + " cpu")}
+    for i in range(warmup + repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.process_time()
+            candidates[name]()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+                times[name + " cpu"].append(time.process_time() - cpu)
+    return times
+
+
+class _NoCollectives:
+    """Every ``dist.all_reduce`` a no-op: the same step's compute alone (values are then wrong;
+    only the time is kept)."""
+
+    def __enter__(self):
+        self.saved, dist.all_reduce = dist.all_reduce, lambda *a, **k: None
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.saved
+
+
+def _zero(params) -> None:
+    for p in params:
+        p.grad = None
+
+
+def _tokens(config, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _traced_all_reduces(step) -> list[int]:
+    from labkit.comm import CommTracer
+    with CommTracer() as tracer:
+        step()
+    return sorted(e.bytes for e in tracer.events if e.kind == "all_reduce")
+
+
+def _calibrate_all_reduce(groups, plan: Plan) -> dict:
+    """On rank 0: {"inside": {message bytes: seconds}, "across": ...} from all-reduces on two ranks
+    of one node (0, 1) and of two nodes (0, 2), the median of ``plan.calibration_repeats``: a
+    2-rank ring all-reduce of S bytes is 2 steps of one S/2 message each way (chapter 00)."""
+    rank, times = dist.get_rank(), {}
+    for name, members, group, sizes in (("inside", (0, 1), groups.inside, plan.inside_sizes),
+                                        ("across", (0, 2), groups.across, plan.across_sizes)):
+        times[name] = {}
+        for size in sizes:
+            buf, samples = torch.zeros(size // 4), []
+            for i in range(plan.calibration_repeats + 1):
+                dist.barrier()
+                if rank in members:
+                    start = time.perf_counter()
+                    dist.all_reduce(buf, group=group)
+                    samples.append(time.perf_counter() - start)
+            if rank == 0:
+                times[name][size // 2] = statistics.median(samples[1:]) / 2
+    return times
+
+
+def _validate_rank(plan: Plan) -> dict:
+    from labkit import pp
+    from labkit.compress import NodeGroups, hierarchical_all_reduce
+    from labkit.models import GPT, GPTConfig
+    from labkit.tp import tensor_parallel
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    groups = NodeGroups(2, 2)
+    out = {"calibration": _calibrate_all_reduce(groups, plan)}
+
+    # (a) hierarchical vs flat all-reduce
+    x = torch.randn(plan.allreduce_bytes // 4)
+    out["allreduce"] = _race({"flat": lambda: dist.all_reduce(x.clone()),
+                              "hierarchical": lambda: hierarchical_all_reduce(x.clone(), groups)}, plan.repeats)
+
+    # (b) PP vs TP across nodes: ranks 0 (node 0) and 2 (node 1); 1 and 3 idle
+    config = GPTConfig(**dict(plan.seq_gpt))
+    idx, tgt = _tokens(config, plan.seq_batch, 0)
+    pair = groups.across  # [0, 2] on ranks 0 and 2
+    active = rank in (0, 2)
+    steps, traces = {}, []
+    if active:
+        tp_model = tensor_parallel(GPT(config), pair)
+        stage = 0 if rank == 0 else 1
+        stage_module = pp.split_gpt(GPT(config), 2, balance="layers")[stage]
+        runner = pp.PipelineRunner({stage: stage_module}, 2, group=pair)
+        actions = pp.gpipe(2, plan.microbatches)[stage]
+
+        def tp_step():
+            _zero(tp_model.parameters())
+            tp_model(idx, tgt)[1].backward()
+
+        def tp_compute():
+            with _NoCollectives():
+                tp_step()
+
+        def pp_step():
+            _zero(stage_module.parameters())
+            traces.append(runner.step(actions, idx, tgt, plan.microbatches, pp.gpt_loss)[1])
+
+        steps = {"PP": pp_step, "TP": tp_step, "TP compute": tp_compute}
+        out["tp_traced"] = _traced_all_reduces(tp_step)
+    out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP", "TP compute")}, plan.repeats)
+    # the pipeline's compute per micro-batch: the F and B actions of the measured steps (their
+    # waits for a message excluded, as the runner's trace keeps them)
+    f = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "F"]
+    b = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "B"]
+    out["pp_pieces"] = {"forward": f, "backward": b}
+
+    # (c) TP inside x DP across vs DP over all four ranks
+    config = GPTConfig(**dict(plan.grid_gpt))
+    idx, tgt = _tokens(config, plan.grid_batch, 1)
+    node, local = divmod(rank, 2)
+    half, quarter = plan.grid_batch // 2, plan.grid_batch // 4
+    grid_model = tensor_parallel(GPT(config), groups.inside)
+    dp_model = GPT(config)
+    grid_params, dp_params = list(grid_model.parameters()), list(dp_model.parameters())
+
+    def grid_step():
+        _zero(grid_params)
+        grid_model(idx[node * half:(node + 1) * half], tgt[node * half:(node + 1) * half])[1].backward()
+        dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in grid_params]), group=groups.across)
+
+    def dp_step():
+        _zero(dp_params)
+        dp_model(idx[rank * quarter:(rank + 1) * quarter], tgt[rank * quarter:(rank + 1) * quarter])[1].backward()
+        dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in dp_params]))
+
+    def stubbed(step):
+        def run():
+            with _NoCollectives():
+                step()
+        return run
+
+    out["2d"] = _race({"TPxDP": grid_step, "DP": dp_step, "TPxDP compute": stubbed(grid_step),
+                       "DP compute": stubbed(dp_step)}, plan.repeats)
+    out["grid_traced"] = _traced_all_reduces(grid_step)
+    out["grid_param_bytes"] = sum(p.numel() * p.element_size() for p in grid_params)
+    out["dp_param_bytes"] = sum(p.numel() * p.element_size() for p in dp_params)
+    return out
+
+
+def _slowest(results: list, key: str) -> dict[str, list[float]]:
+    """Per layout, every repeat's time of the slowest rank."""
+    names = results[0][key]
+    return {name: [max(r[key][name][i] for r in results) for i in range(len(results[0][key][name]))]
+            for name in names}
+
+
+def _row(experiment, layout, prediction, samples) -> Row:
+    measured = statistics.median(samples)
+    return Row(experiment, layout, prediction["total"], measured, measured / prediction["total"] - 1,
+               prediction["comm"], prediction["compute"], list(samples))
+
+
+def _verdict(experiment, a: Row, b: Row) -> Verdict:
+    fast, slow = (a, b) if a.measured_s <= b.measured_s else (b, a)
+    return Verdict(experiment, fast.layout, slow.layout, slow.measured_s / fast.measured_s,
+                   slow.predicted_s / fast.predicted_s, slow.predicted_s >= fast.predicted_s)
+
+
+def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Validation:
+    """Calibrate alpha-beta per link class on emulated nodes (2 x 2), then, in the same launch,
+    run and predict (a) the hierarchical vs the flat all-reduce, (b) a 2-stage pipeline vs TP=2
+    across the two nodes, (c) TP inside x DP across vs DP over all four ranks. ``changes``:
+    fields of ``Plan`` (e.g. ``bandwidth="50mbit"``, ``repeats=7``)."""
+    from labkit.models import GPTConfig
+    plan = plan or Plan()
+    if changes:
+        plan = Plan(**{**plan.__dict__, **changes})
+    results = run_on_nodes(_validate_rank, 2, 2, plan, bandwidth=plan.bandwidth, timeout=timeout)
+    times = {k: v for k, v in results[0]["calibration"].items() if v}
+    fits = {k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items()}
+    links = links_of(fits)
+    rows, verdicts, details = [], [], {}
+
+    # (a)
+    samples = _slowest(results, "allreduce")
+    predicted = predict_all_reduce(plan.allreduce_bytes, links)
+    mib = plan.allreduce_bytes / 2**20
+    flat = _row("allreduce", f"flat ring {mib:g} MiB (dist.all_reduce)",
+                {"total": predicted["flat"], "comm": predicted["flat"], "compute": 0.0}, samples["flat"])
+    hier = _row("allreduce", f"hierarchical 2x2 {mib:g} MiB",
+                {"total": predicted["hierarchical"], "comm": predicted["hierarchical"], "compute": 0.0},
+                samples["hierarchical"])
+    rows += [flat, hier]
+    verdicts.append(_verdict("allreduce", flat, hier))
+
+    # (b)
+    config = GPTConfig(**dict(plan.seq_gpt))
+    tokens = plan.seq_batch * config.block_size
+    samples = _slowest(results, "pp_vs_tp")
+    tp_compute = statistics.median(samples["TP compute cpu"])
+    tp = predict_tp(tokens, config.n_embd, config.n_layer, 2, links, "across", compute=tp_compute)
+    expected = sorted([tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [tokens * 4] * 3)
+    details["tp_traced_all_reduces"] = results[0]["tp_traced"]
+    if results[0]["tp_traced"] != expected:
+        raise AssertionError(f"TP step: traced all-reduces {results[0]['tp_traced']} != the model's {expected}")
+    med = {r: {k: statistics.median(v) for k, v in results[r]["pp_pieces"].items()} for r in (0, 2)}
+    details["pp_pieces_s"] = med
+    mb_bytes = tokens // plan.microbatches * config.n_embd * 4
+    pipe = predict_pipeline(mb_bytes, plan.microbatches, links, (med[0]["forward"], med[2]["forward"]),
+                            (med[2]["backward"], med[0]["backward"]))
+    pp_row = _row("pp_vs_tp", f"PP=2 across (GPipe, {plan.microbatches} micro-batches)", pipe, samples["PP"])
+    tp_row = _row("pp_vs_tp", "TP=2 across", tp, samples["TP"])
+    rows += [pp_row, tp_row]
+    verdicts.append(_verdict("pp_vs_tp", pp_row, tp_row))
+
+    # (c)
+    config = GPTConfig(**dict(plan.grid_gpt))
+    samples = _slowest(results, "2d")
+    grid_tokens = plan.grid_batch // 2 * config.block_size
+    grid_tp = predict_tp(grid_tokens, config.n_embd, config.n_layer, 2, links, "inside")
+    grid_dp = predict_dp(results[0]["grid_param_bytes"], 2, links, "across", flows=2)
+    grid_compute = statistics.median(samples["TPxDP compute cpu"])
+    grid = {"comm": grid_tp["comm"] + grid_dp["comm"], "compute": grid_compute}
+    grid["total"] = grid["comm"] + grid["compute"]
+    flat_dp = predict_dp(results[0]["dp_param_bytes"], 4, links, "across", compute=statistics.median(samples["DP compute cpu"]))
+    expected = sorted([grid_tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [grid_tokens * 4] * 3
+                      + [results[0]["grid_param_bytes"]])
+    details["grid_traced_all_reduces"] = results[0]["grid_traced"]
+    if results[0]["grid_traced"] != expected:
+        raise AssertionError(f"TPxDP step: traced all-reduces {results[0]['grid_traced']} != the model's {expected}")
+    grid_row = _row("2d", "TP=2 inside x DP=2 across", grid, samples["TPxDP"])
+    dp_row = _row("2d", "DP=4 (flat ring over both nodes)", flat_dp, samples["DP"])
+    rows += [grid_row, dp_row]
+    verdicts.append(_verdict("2d", grid_row, dp_row))
+    details["param_bytes"] = {"TPxDP": results[0]["grid_param_bytes"], "DP": results[0]["dp_param_bytes"]}
+    details["samples"] = {key: _slowest(results, key) for key in ("allreduce", "pp_vs_tp", "2d")}
+    return Validation(links, rows, verdicts, plan.bandwidth, MODEL, times, details)
