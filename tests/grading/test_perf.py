@@ -10,7 +10,8 @@ counts 0; the math backend runs the scores and the weighted sum as bmm, which is
 as the full square) equal ``flops_per_token`` EXACTLY, per token, for dense configs (tied and
 untied, several widths, heads, lengths, vocabularies, batch > 1) and MoE configs (dropless, top-1
 and top-2); with every block under ``torch.utils.checkpoint`` (full) or only the attention core
-(selective), early stop off so that the whole forward is run again. GQA, SwiGLU, shared experts,
+(selective), through labkit.oracles.builtin_checkpoint with early stop off so that the whole
+forward is run again. GQA, SwiGLU, shared experts,
 dense leading layers and a head width other than hidden/heads are counted by FlopCounterMode on
 a small transformer written here with plain Linears (the shapes a ``Model`` states), and checked
 on published parameter counts (GPT-3 175B, Llama 3 405B, Mixtral 8x7B's 47B/13B, PaLM 540.35B) and
@@ -27,6 +28,7 @@ two; the link class of groups of every stride inside and across nodes, with and 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import types
@@ -37,10 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.course.grading import task
+from labkit.oracles import builtin_checkpoint
 from labkit.models import GPT, GPTConfig
 
 
@@ -51,7 +53,7 @@ def counted_per_token(model: nn.Module, vocab: int, batch: int, seq: int) -> flo
     """FlopCounterMode's count of one forward + backward of ``model`` on [batch, seq] tokens,
     per token (math attention: the fused CPU kernel has no FLOP formula)."""
     idx = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(False), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         out = model(idx, idx) if isinstance(model, GPT) else model(idx)
         loss = out[1] if isinstance(out, tuple) else out.float().pow(2).mean()
         loss.backward()
@@ -59,10 +61,11 @@ def counted_per_token(model: nn.Module, vocab: int, batch: int, seq: int) -> flo
 
 
 def checkpoint_blocks(gpt: GPT) -> GPT:
-    """Full recomputation: every block's forward under torch.utils.checkpoint."""
-    for block in gpt.blocks:
-        block.forward = types.MethodType(
-            lambda self, x, f=block.forward: checkpoint(f, x, use_reentrant=False), block)
+    """Full recomputation: every block under torch.utils.checkpoint, early stop off (by default
+    torch skips recomputing the ops after the last one that saves a tensor: here the MLP's
+    output projection, 2 x 4h x h FLOPs per token and layer fewer than a whole forward)."""
+    for block in gpt.blocks:  # the block stays in place (an MoE model reads block.mlp.aux)
+        block.forward = lambda x, run=builtin_checkpoint(block.forward, early_stop=False): run(x)
     return gpt
 
 
@@ -71,7 +74,7 @@ def checkpoint_attention_core(gpt: GPT) -> GPT:
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
-        y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=True, use_reentrant=False)
+        y = builtin_checkpoint(functools.partial(F.scaled_dot_product_attention, is_causal=True), early_stop=False)(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
     for block in gpt.blocks:
         block.attn.forward = types.MethodType(forward, block.attn)
