@@ -843,8 +843,11 @@ def test_search_equals_brute_force():
             got = search_layouts(model, cluster, 8, batch, top=top, uneven=uneven, **limits)
             want = kept[:top]
             where = f"perf.search: {model.name}, top={top}"
-            assert [l for l, _ in got] == [l for l, _ in want], \
-                f"{where}: ranked {[str(l) for l, _ in got][:6]}; the brute force ranks {[str(l) for l, _ in want][:6]}"
+            if [l for l, _ in got] != [l for l, _ in want]:
+                i = next((i for i, (a, b) in enumerate(zip(got, want)) if a[0] != b[0]), min(len(got), len(want)))
+                _pytest.fail(f"{where}: {len(got)} layouts ranked, the brute force ranks {len(want)}; first difference "
+                             f"at place {i + 1}: {[str(l) for l, _ in got[i:i + 3]]}, the brute force "
+                             f"{[(str(l), st.total, st.memory) for l, st in want[i:i + 3]]}")
             for (layout, st), (_, ref) in zip(got, want):
                 _close(st.total, ref.total, f"{where}: {layout} total")
                 assert st.fits, f"{where}: {layout} does not fit ({st.memory:.3g} bytes)"
