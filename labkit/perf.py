@@ -459,7 +459,10 @@ _ELEMENT = 2                                 # bytes of a 16-bit activation, gra
 class Layout:
     """A parallel layout: dp x tp x pp x cp GPUs (ep splits the experts inside dp), a ZeRO stage
     over the data-parallel ranks, the micro-batch size (sequences), the pipeline schedule with
-    ``virtual`` model chunks per rank (interleaved only) and the recomputation mode."""
+    ``virtual`` model chunks per rank (interleaved only) and the recomputation mode. ``uneven``:
+    the layers need not divide into pp x virtual equal chunks; the first chunks take one layer
+    more (as ``labkit.pp.split_gpt(balance="layers")`` cuts; Llama 3 405B's 126 layers on 16
+    stages, BLOOM's 70 on 12, DeepSeek-V3's 61 on 16), and the fullest rank sets the pipeline's pace."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -470,6 +473,7 @@ class Layout:
     schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved"
     virtual: int = 1               # interleaved: model chunks (virtual stages) per rank
     recompute: str = "none"        # "none" | "selective" | "full"
+    uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
 
     @property
     def gpus(self) -> int:
@@ -479,13 +483,14 @@ class Layout:
         """A total order on layouts (the search breaks ties of time and memory with it)."""
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
-                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1)
+                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
         text += f" ep{self.ep}" if self.ep > 1 else ""
         text += f" zero{self.zero} mb{self.microbatch} {self.schedule}"
         text += f"(v={self.virtual})" if self.virtual > 1 else ""
+        text += " uneven" if self.uneven else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
@@ -554,9 +559,10 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
         raise ValueError("perf.step: the interleaved schedule needs a pipeline (pp >= 2)")
     if model.heads % layout.tp:
         raise ValueError(f"perf.step: {model.heads} heads do not split over tp={layout.tp}")
-    if model.layers % (layout.pp * layout.virtual):
+    if model.layers % (layout.pp * layout.virtual) and not (layout.uneven and model.layers >= layout.pp * layout.virtual):
         raise ValueError(f"perf.step: {model.layers} layers do not split into pp x virtual = "
-                         f"{layout.pp} x {layout.virtual} equal stages")
+                         f"{layout.pp} x {layout.virtual} " + ("stages of a layer or more" if layout.uneven
+                                                              else "equal stages (Layout(uneven=True) allows unequal ones)"))
     if model.seq % layout.cp:
         raise ValueError(f"perf.step: a sequence of {model.seq} tokens does not split over cp={layout.cp}")
     if layout.ep > 1 and (not model.experts or model.experts % layout.ep or layout.dp % layout.ep):
@@ -587,10 +593,13 @@ def in_flight(schedule: str, pp: int, m: int, virtual: int = 1, rank: int = 0) -
 
 
 def layers_on_rank(model: Model, layout: Layout, rank: int = 0) -> tuple[int, int]:
-    """(layers, MoE layers) on pipeline ``rank``: layer i sits in model chunk i // (L / (pp v)),
-    chunk c on rank c % pp; the leading ``dense_layers`` of an MoE model have a dense FFN."""
-    per_chunk = model.layers // (layout.pp * layout.virtual)
-    mine = [i for i in range(model.layers) if (i // per_chunk) % layout.pp == rank]
+    """(layers, MoE layers) on pipeline ``rank``: the L layers cut in order into pp x v chunks of
+    L / (pp v) layers (uneven: the first L mod (pp v) chunks one more), chunk c on rank c % pp;
+    the leading ``dense_layers`` of an MoE model have a dense FFN."""
+    chunks = layout.pp * layout.virtual
+    whole, extra = divmod(model.layers, chunks)
+    starts = [c * whole + min(c, extra) for c in range(chunks + 1)]
+    mine = [i for c in range(rank, chunks, layout.pp) for i in range(starts[c], starts[c + 1])]
     return len(mine), sum(1 for i in mine if model.experts and i >= model.dense_layers)
 
 
@@ -632,7 +641,7 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     expert_states = budget.model_state_bytes(experts, element, layout.zero, shards // layout.ep)
     held = in_flight(layout.schedule, layout.pp, m, layout.virtual, rank)
     activations = budget.korthikanti_activation_bytes(
-        model.layers // layout.pp, model.seq, model.hidden, model.heads, micro=layout.microbatch,
+        layers_on_rank(model, layout, rank)[0], model.seq, model.hidden, model.heads, micro=layout.microbatch,
         tp=layout.tp, cp=layout.cp, held=held, flash=layout.recompute == "selective",
         full=layout.recompute == "full")
     if rank == layout.pp - 1:
@@ -652,29 +661,22 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual
     gpu = cluster.gpu
     achieved = gpu.achieved_flops or gpu.peak_flops
+    layers = max(layers_on_rank(model, layout, r)[0] for r in range(pp))    # on the fullest rank
     tokens = layout.microbatch * model.seq                       # per micro-batch and replica
-    share = tokens / (tp * cp * pp)                              # of them, per GPU
+    share = tokens / (tp * cp) * layers / model.layers           # of them, per GPU of the fullest rank (1/pp)
     compute_mb = flops_per_token(model, "none") * share / achieved
     recompute_mb = (flops_per_token(model, layout.recompute) - flops_per_token(model, "none")) * share / achieved
     full = layout.recompute == "full"
-    layers = model.layers // pp
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
-    tp_mb = 0.0
-    if tp > 1:
-        tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
-                                               + group_time("reduce_scatter", activation, tp, 1, cluster))
-    cp_mb = 0.0
-    if cp > 1:
-        kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
-        cp_mb = layers * (cp - 1) * (4 if full else 3) * group_time("send", kv_bytes, cp, tp, cluster)
-    ep_mb = 0.0
-    moe_layers = max(layers_on_rank(model, layout, r)[1] for r in range(pp)) if ep > 1 else 0
-    if moe_layers:
-        routed = model.seq / cp * layout.microbatch / tp * model.top_k * model.hidden * _ELEMENT
-        ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
-    pp_mb = 0.0
-    if pp > 1:
-        pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
+    # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
+    tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
+                                           + group_time("reduce_scatter", activation, tp, 1, cluster))
+    kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
+    cp_mb = layers * (cp - 1) * (4 if full else 3) * group_time("send", kv_bytes, cp, tp, cluster)
+    moe_layers = max(layers_on_rank(model, layout, r)[1] for r in range(pp))
+    routed = model.seq / cp * layout.microbatch / tp * model.top_k * model.hidden * _ELEMENT
+    ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
+    pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
     stage_mb = compute_mb + recompute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * stage_mb
 
@@ -718,15 +720,16 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
-                      max_ep: int | None = None):
+                      max_ep: int | None = None, uneven: bool = False):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
     first when dp x cp = 1: nothing to shard), each micro-batch size of ``microbatch`` that
     divides a replica's batch; with pp = 1 only "1f1b" (a pipeline schedule without a
     pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
-    the layers and whose m is a multiple of pp; each recomputation mode. Layouts that
-    ``step_time`` refuses are not generated."""
+    the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
+    need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
+    Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
         if model.heads % tp or (max_tp is not None and tp > max_tp):
@@ -736,7 +739,7 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                 continue
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                if model.layers % pp or global_batch % dp:
+                if (model.layers % pp and not uneven) or model.layers < pp or global_batch % dp:
                     continue
                 eps = [e for e in _divisors(dp) if model.experts and model.experts % e == 0
                        and (max_ep is None or e <= max_ep)] or [1]
@@ -748,11 +751,13 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                             m = global_batch // (dp * b)
                             plans = [("1f1b", 1)] if pp == 1 else [
                                 (s, v) for s in schedules for v in ((1,) if s != "interleaved" else virtual)
-                                if s != "interleaved" or (model.layers % (pp * v) == 0 and m % pp == 0)]
+                                if s != "interleaved" or (m % pp == 0 and model.layers >= pp * v
+                                                          and (uneven or model.layers % (pp * v) == 0))]
                             for schedule, v in plans:
                                 for r in recompute:
                                     yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
-                                                 schedule=schedule, virtual=v, recompute=r)
+                                                 schedule=schedule, virtual=v, recompute=r,
+                                                 uneven=model.layers % (pp * v) != 0)
     # END SOLUTION
 
 
@@ -768,7 +773,7 @@ def search_layouts(model: Model, cluster: Cluster, gpus: int, global_batch: int,
     for layout in candidate_layouts(model, gpus, global_batch, **limits):
         result = step_time(model, layout, cluster, global_batch, gpus)
         if result.fits:
-            found.append((result.total, result.memory, layout.key(), layout, result))
-    found.sort(key=lambda item: item[:3])
-    return [(layout, result) for *_, layout, result in found[:top]]
+            found.append(((result.total, result.memory, layout.key()), layout, result))
+    found.sort(key=lambda item: item[0])
+    return [(layout, result) for _, layout, result in found[:top]]
     # END SOLUTION

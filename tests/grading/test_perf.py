@@ -691,10 +691,12 @@ def test_step_memory_parameters_and_zero():
     dp x cp (experts over dp x cp / ep); 16 bytes a parameter unsharded; fits <=> memory <= the GPU's."""
     from labkit.perf import Layout, memory_per_gpu, parameters_per_gpu, step_time
     for model in (_dense(), _dense(tied=True), _moe(), _moe(tied=True)):
-        for tp, pp, v, ep in [(1, 1, 1, 1), (2, 2, 1, 1), (4, 1, 1, 2), (1, 4, 2, 2), (2, 2, 2, 4), (1, 8, 1, 1)]:
+        for tp, pp, v, ep in [(1, 1, 1, 1), (2, 2, 1, 1), (4, 1, 1, 2), (1, 4, 2, 2), (2, 2, 2, 4), (1, 8, 1, 1),
+                              (2, 3, 1, 2), (1, 3, 2, 1), (1, 5, 1, 1)]:
             if ep > 1 and not model.experts:
                 continue
-            layout = Layout(dp=ep, tp=tp, pp=pp, ep=ep, schedule="interleaved" if v > 1 else "1f1b", virtual=v)
+            layout = Layout(dp=ep, tp=tp, pp=pp, ep=ep, schedule="interleaved" if v > 1 else "1f1b", virtual=v,
+                            uneven=model.layers % (pp * v) != 0)
             total = sum(tp * d + tp * ep * x for d, x in (parameters_per_gpu(model, layout, r) for r in range(pp)))
             want = model.params() + (model.vocab * model.hidden if model.tied and pp > 1 else 0) \
                 + (tp - 1) * model.moe_layers * model.hidden * model.experts     # every TP rank keeps the router
@@ -727,6 +729,48 @@ def test_step_memory_parameters_and_zero():
     assert acts[0] > acts[1] > acts[2], f"perf.step: activations none/selective/full = {acts}"
 
 
+@_task("perf.step", points=2)
+def test_step_uneven_stages():
+    """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks
+    differ by at most one layer, every layer sits on exactly one rank, and the fullest rank
+    sets the pace: its share of the FLOPs, its layers' TP traffic, its activations; the step is
+    the simulated 1F1B/interleaved makespan with every stage as slow as the fullest."""
+    from labkit import budget, pp
+    from labkit.perf import Layout, collective_time, flops_per_token, layers_on_rank, memory_per_gpu, step_time
+    cluster = _cluster()
+    for model in (_dense(layers=7), _moe(layers=7, dense_layers=3)):
+        for p, v, kind in ((2, 1, "1f1b"), (2, 2, "interleaved"), (4, 1, "1f1b"), (3, 2, "interleaved")):
+            layout = Layout(pp=p, tp=2, virtual=v, schedule=kind, microbatch=2)
+            with _pytest.raises(ValueError, match="uneven"):
+                step_time(model, layout, cluster, 12)
+                _pytest.fail(f"perf.step: {layout} accepted {model.layers} layers that pp x v does not divide")
+            layout = _replace(layout, uneven=True)
+            where = f"perf.step: {model.name} with {model.layers} layers, {layout}"
+            counts = [layers_on_rank(model, layout, r) for r in range(p)]
+            # the chunks, in order: rank r holds chunks r, r + p, ...; sizes within one of each other
+            sizes = sorted(layers for layers, _ in counts)
+            assert sum(sizes) == model.layers and sizes[-1] - sizes[0] <= v, f"{where}: layers per rank {counts}"
+            assert sum(moe for _, moe in counts) == model.moe_layers, f"{where}: MoE layers per rank {counts}"
+            fullest = max(sizes)
+            m = 6 if kind == "1f1b" else p * 2
+            batch = m * layout.microbatch
+            st = step_time(model, layout, cluster, batch)
+            tokens = batch * model.seq
+            _close(st.compute, flops_per_token(model) * tokens / 2 * fullest / model.layers / 50e12,
+                   f"{where}: compute of the fullest rank ({fullest} layers)")
+            act = model.seq * layout.microbatch * model.hidden * 2
+            _close(st.tp_comm, m * fullest * 4 * collective_time("all_reduce", act, 2, cluster.nvlink), f"{where}: tp_comm")
+            per_mb = (st.compute + st.recompute + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+            timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
+            _close(st.total, timeline.makespan, f"{where}: step vs the simulated makespan at the fullest rank's pace")
+            held = timeline.peak_in_flight[0] / v
+            want = budget.korthikanti_activation_bytes(counts[0][0], model.seq, model.hidden, model.heads,
+                                                       micro=layout.microbatch, tp=2, held=held)
+            _close(memory_per_gpu(model, layout, batch, 0)["activations"], want, f"{where}: rank 0's activations")
+        with _pytest.raises(ValueError):
+            step_time(model, Layout(pp=8, uneven=True), cluster, 8)       # an empty stage
+
+
 @_task("perf.step", points=1)
 def test_step_refuses_bad_layouts():
     """A layout that cannot run the model or the batch raises ValueError, naming the problem."""
@@ -753,19 +797,19 @@ def test_step_refuses_bad_layouts():
 # ----------------------------------------------------------------------------- perf.search
 
 
-def _brute_force(model, cluster, gpus, batch, zeros, micro, schedules, virtuals, recomputes, max_cp):
+def _brute_force(model, cluster, gpus, batch, zeros, micro, schedules, virtuals, recomputes, max_cp, uneven=False):
     """Every Layout the search's limits allow, tried with step_time (ValueError: not a layout)."""
     from labkit.perf import Layout, step_time
     found = []
     for dp, tp, pp, cp in _it.product(range(1, gpus + 1), repeat=4):
         if dp * tp * pp * cp != gpus or cp > max_cp:
             continue
-        for ep, zero, b, schedule, v, r in _it.product(range(1, dp + 1), zeros, micro, schedules, (1,) + virtuals,
-                                                       recomputes):
+        for ep, zero, b, schedule, v, r, cut in _it.product(range(1, dp + 1), zeros, micro, schedules,
+                                                            (1,) + virtuals, recomputes, (False, True)[:1 + uneven]):
             if (schedule == "interleaved") != (v > 1):
                 continue
             layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatch=b, schedule=schedule,
-                            virtual=v, recompute=r)
+                            virtual=v, recompute=r, uneven=cut)
             try:
                 st = step_time(model, layout, cluster, batch, gpus=gpus)
             except ValueError:
@@ -785,24 +829,30 @@ def test_search_equals_brute_force():
     from labkit.perf import search_layouts
     limits = dict(zero=(0, 1, 3), microbatch=(1, 2), schedules=("gpipe", "1f1b", "interleaved"), virtual=(2,),
                   recompute=("none", "full"), max_cp=2)
-    for model, memory in ((_dense(layers=4, hidden=512, seq=256), 0.2e9), (_moe(layers=4), 0.05e9)):
+    for model, memory, uneven in ((_dense(layers=4, hidden=512, seq=256), 0.2e9, False),
+                                  (_moe(layers=4), 0.05e9, False), (_dense(layers=3, hidden=512, seq=256), 0.06e9, True)):
         cluster = _cluster(memory=memory)
         batch = 8
         everything = _brute_force(model, cluster, 8, batch, limits["zero"], limits["microbatch"],
-                                  limits["schedules"], limits["virtual"], limits["recompute"], 2)
+                                  limits["schedules"], limits["virtual"], limits["recompute"], 2, uneven)
         assert everything, "test set-up: some layout must fit"
         unlimited = _brute_force(model, _cluster(memory=1e15), 8, batch, limits["zero"], limits["microbatch"],
-                                 limits["schedules"], limits["virtual"], limits["recompute"], 2)
+                                 limits["schedules"], limits["virtual"], limits["recompute"], 2, uneven)
         assert len(everything) < len(unlimited), "test set-up: the memory limit must rule some layouts out"
+        assert not uneven or any(l.uneven for l, _ in everything), "test set-up: some uneven layout must fit"
         kept = [(l, st) for l, st in everything
-                if (l.zero == limits["zero"][0] or l.dp * l.cp > 1) and (l.pp > 1 or l.schedule == "1f1b")]
+                if (l.zero == limits["zero"][0] or l.dp * l.cp > 1) and (l.pp > 1 or l.schedule == "1f1b")
+                and l.uneven == (model.layers % (l.pp * l.virtual) != 0)]
         kept.sort(key=lambda item: (item[1].total, item[1].memory, item[0].key()))
         for top in (1, 4, len(kept) + 3):
-            got = search_layouts(model, cluster, 8, batch, top=top, **limits)
+            got = search_layouts(model, cluster, 8, batch, top=top, uneven=uneven, **limits)
             want = kept[:top]
             where = f"perf.search: {model.name}, top={top}"
-            assert [l for l, _ in got] == [l for l, _ in want], \
-                f"{where}: ranked {[str(l) for l, _ in got][:6]}; the brute force ranks {[str(l) for l, _ in want][:6]}"
+            if [l for l, _ in got] != [l for l, _ in want]:
+                i = next((i for i, (a, b) in enumerate(zip(got, want)) if a[0] != b[0]), min(len(got), len(want)))
+                _pytest.fail(f"{where}: {len(got)} layouts ranked, the brute force ranks {len(want)}; first difference "
+                             f"at place {i + 1}: {[str(l) for l, _ in got[i:i + 3]]}, the brute force "
+                             f"{[(str(l), st.total, st.memory) for l, st in want[i:i + 3]]}")
             for (layout, st), (_, ref) in zip(got, want):
                 _close(st.total, ref.total, f"{where}: {layout} total")
                 assert st.fits, f"{where}: {layout} does not fit ({st.memory:.3g} bytes)"
