@@ -270,31 +270,49 @@ class Validation:
 def _race(candidates: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Every rank: seconds of each ``candidates[name]()`` from a common barrier, interleaved
     (A B, then B A, ...) after ``warmup`` rounds: wall-clock under ``name``, this process's CPU
-    seconds (``time.process_time``, every thread) under ``name + " cpu"``. The caller takes the
-    slowest rank's."""
+    seconds (``time.process_time``, every thread) under ``name + " cpu"``, and what the call
+    returned (its seconds outside collectives) under ``name + " compute"``. The caller takes
+    the slowest rank's."""
     names = list(candidates)
     times = {key: [] for name in names for key in (name, name + " cpu")}
     for i in range(warmup + repeats):
         for name in names if i % 2 == 0 else names[::-1]:
             dist.barrier()
             start, cpu = time.perf_counter(), time.process_time()
-            candidates[name]()
+            outside = candidates[name]()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
                 times[name + " cpu"].append(time.process_time() - cpu)
+                times.setdefault(name + " compute", []).append(outside or 0.0)
     return times
 
 
-class _NoCollectives:
-    """Every ``dist.all_reduce`` a no-op: the same step's compute alone (values are then wrong;
-    only the time is kept)."""
+class _Outside:
+    """Times a step's compute: its wall-clock seconds outside ``dist.all_reduce`` (every
+    collective the TP and DP steps here make). Compute measured inside the real step, between
+    its waits, is what the step spends: the same code with the collectives removed would run
+    as one long stretch, and a loaded machine's scheduler stretches that (many time slices
+    behind the other runnable processes) where short pieces after a wait run at once."""
 
-    def __enter__(self):
-        self.saved, dist.all_reduce = dist.all_reduce, lambda *a, **k: None
-        return self
+    def __init__(self, step):
+        self.step = step
 
-    def __exit__(self, *exc):
-        dist.all_reduce = self.saved
+    def __call__(self) -> float:
+        inside, saved = [0.0], dist.all_reduce
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return saved(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        dist.all_reduce, start = timed, time.perf_counter()
+        try:
+            self.step()
+        finally:
+            dist.all_reduce = saved
+        return time.perf_counter() - start - inside[0]
 
 
 def _zero(params) -> None:
@@ -368,17 +386,13 @@ def _validate_rank(plan: Plan) -> dict:
             _zero(tp_model.parameters())
             tp_model(idx, tgt)[1].backward()
 
-        def tp_compute():
-            with _NoCollectives():
-                tp_step()
-
         def pp_step():
             _zero(stage_module.parameters())
             traces.append(runner.step(actions, idx, tgt, plan.microbatches, pp.gpt_loss)[1])
 
-        steps = {"PP": pp_step, "TP": tp_step, "TP compute": tp_compute}
+        steps = {"PP": pp_step, "TP": _Outside(tp_step)}
         out["tp_traced"] = _traced_all_reduces(tp_step)
-    out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP", "TP compute")}, plan.repeats)
+    out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP")}, plan.repeats)
     # the pipeline's compute per micro-batch: the F and B actions of the measured steps (their
     # waits for a message excluded, as the runner's trace keeps them)
     f = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "F"]
@@ -404,14 +418,7 @@ def _validate_rank(plan: Plan) -> dict:
         dp_model(idx[rank * quarter:(rank + 1) * quarter], tgt[rank * quarter:(rank + 1) * quarter])[1].backward()
         dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in dp_params]))
 
-    def stubbed(step):
-        def run():
-            with _NoCollectives():
-                step()
-        return run
-
-    out["2d"] = _race({"TPxDP": grid_step, "DP": dp_step, "TPxDP compute": stubbed(grid_step),
-                       "DP compute": stubbed(dp_step)}, plan.repeats)
+    out["2d"] = _race({"TPxDP": _Outside(grid_step), "DP": _Outside(dp_step)}, plan.repeats)
     out["grid_traced"] = _traced_all_reduces(grid_step)
     out["grid_param_bytes"] = sum(p.numel() * p.element_size() for p in grid_params)
     out["dp_param_bytes"] = sum(p.numel() * p.element_size() for p in dp_params)
@@ -468,7 +475,7 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
     config = GPTConfig(**dict(plan.seq_gpt))
     tokens = plan.seq_batch * config.block_size
     samples = _slowest(results, "pp_vs_tp")
-    tp_compute = statistics.median(samples["TP compute cpu"])
+    tp_compute = statistics.median(samples["TP compute"])
     tp = predict_tp(tokens, config.n_embd, config.n_layer, 2, links, "across", compute=tp_compute)
     expected = sorted([tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [tokens * 4] * 3)
     details["tp_traced_all_reduces"] = results[0]["tp_traced"]
@@ -490,10 +497,10 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
     grid_tokens = plan.grid_batch // 2 * config.block_size
     grid_tp = predict_tp(grid_tokens, config.n_embd, config.n_layer, 2, links, "inside")
     grid_dp = predict_dp(results[0]["grid_param_bytes"], 2, links, "across", flows=2)
-    grid_compute = statistics.median(samples["TPxDP compute cpu"])
+    grid_compute = statistics.median(samples["TPxDP compute"])
     grid = {"comm": grid_tp["comm"] + grid_dp["comm"], "compute": grid_compute}
     grid["total"] = grid["comm"] + grid["compute"]
-    flat_dp = predict_dp(results[0]["dp_param_bytes"], 4, links, "across", compute=statistics.median(samples["DP compute cpu"]))
+    flat_dp = predict_dp(results[0]["dp_param_bytes"], 4, links, "across", compute=statistics.median(samples["DP compute"]))
     expected = sorted([grid_tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [grid_tokens * 4] * 3
                       + [results[0]["grid_param_bytes"]])
     details["grid_traced_all_reduces"] = results[0]["grid_traced"]
