@@ -8,7 +8,8 @@ it imports nothing, so the quick commands stay quick.
 
 CHAPTERS = {"00": "collectives", "01": "dp", "02": "ddp", "03": "zero", "04": "fsdp",
             "05": "tp", "06": "pp", "07": "sp", "08": "mesh", "09": "elastic",
-            "10": "moe", "11": "compress", "12": "recompute", "13": "rpc"}
+            "10": "moe", "11": "compress", "12": "recompute", "13": "rpc",
+            "14": "perf"}
 
 # What else a learner may call a chapter: the README's chapter titles and the lab files'
 # names (labs/NN_<name>.py), besides its number and module name.
@@ -17,7 +18,7 @@ ALIASES = {
     "06": ("pipeline parallelism", "pipeline"), "07": ("sequence parallelism", "sequence"),
     "08": ("hybrid",), "09": ("fault tolerance",), "10": ("expert parallelism",),
     "11": ("comm", "communication efficiency", "communication"), "12": ("memory",),
-    "13": ("rpc-based training",),
+    "13": ("rpc-based training",), "14": ("scale", "performance at scale", "performance"),
 }
 
 

@@ -63,6 +63,9 @@ FORBIDDEN: dict[str, tuple[tuple[str, ...], str]] = {
                                    "torch.distributed.pipelining", "torch.distributed.nn.api.remote_module"),
             "chapter 13 builds its servers and pipeline on RPC alone (no collectives or send/recv; "
             "RemoteModule and torch.distributed.pipelining are not the exercise)"),
+    "perf": (("torch.utils.flop_counter", "torch.utils.benchmark", "torch.cuda.get_device_properties"),
+             "chapter 14 predicts FLOPs and time from arithmetic (FlopCounterMode is the oracle the "
+             "tests count with; nothing may be measured or looked up at run time)"),
 }
 
 
