@@ -90,6 +90,7 @@ def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit",
 #   flow-shop of chapter 06's GPipe schedule, where the link is one more stage).
 
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 
@@ -338,7 +339,8 @@ def _validate_rank(plan: Plan) -> dict:
     from labkit.compress import NodeGroups
     torch.set_num_threads(1)
     groups = NodeGroups(2, 2)
-    out = {"calibration": _calibrate_all_reduce(groups, plan)}
+    out = {"calibration": _calibrate_all_reduce(groups, plan),  # and the namespaces, to check they go
+           "namespaces": (os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{os.getppid()}/ns/net"))}
 
     if "allreduce" in plan.experiments:
         out.update(_run_allreduce(plan, groups))
@@ -462,7 +464,8 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
     results = run_on_nodes(_validate_rank, 2, 2, plan, bandwidth=plan.bandwidth, timeout=timeout)
     times = {k: v for k, v in results[0]["calibration"].items() if v}
     links = links_of({k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items()})
-    out = Validation(links, [], [], plan.bandwidth, MODEL, times, {"samples": {}})
+    out = Validation(links, [], [], plan.bandwidth, MODEL, times,
+                     {"samples": {}, "namespaces": sorted({ns for r in results for ns in r["namespaces"]})})
     for name, analyse in (("allreduce", _analyse_allreduce), ("pp_vs_tp", _analyse_pp_vs_tp), ("2d", _analyse_2d)):
         if name in plan.experiments:
             out.details["samples"][name] = _slowest(results, name)
