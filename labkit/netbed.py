@@ -90,34 +90,14 @@ def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit",
 #   flow-shop of chapter 06's GPipe schedule, where the link is one more stage).
 
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 
-try:  # chapter 14's own model, when labkit.perf has it: the same formulas are then what the bed checks
-    from labkit.perf import Link, collective_time
-    MODEL = "labkit.perf.collective_time"
-except ImportError:  # pragma: no cover - until labkit.perf lands
-    MODEL = "labkit.netbed.collective_time (chapter 00's ring formulas, as labkit.comm.ring_all_reduce_time)"
+from labkit.perf import Link, collective_time  # chapter 14's model: what the bed checks
 
-    @dataclass(frozen=True)
-    class Link:
-        """A link class: ``alpha`` seconds per message, ``bandwidth`` bytes/s one direction."""
-        alpha: float
-        bandwidth: float
-
-    def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = "ring") -> float:
-        """Ring collectives on ``ranks`` ranks over ``link`` (chapter 00): ``nbytes`` is the whole
-        buffer (all-reduce input, all-gather output, reduce-scatter input); "send": one message."""
-        if algo != "ring":
-            raise ValueError(f"collective_time: only the ring here, got {algo!r}")
-        if op == "send":
-            return link.alpha + nbytes / link.bandwidth
-        if ranks <= 1:
-            return 0.0
-        steps = {"all_reduce": 2 * (ranks - 1), "reduce_scatter": ranks - 1, "all_gather": ranks - 1}
-        if op not in steps:
-            raise ValueError(f"collective_time: unknown op {op!r}")
-        return steps[op] * (link.alpha + nbytes / ranks / link.bandwidth)
+MODEL = "labkit.perf.collective_time (ring), links fitted on the bed"
+EXPERIMENTS = ("allreduce", "pp_vs_tp", "2d")
 
 
 def links_of(calibration: dict) -> dict[str, Link]:
@@ -216,6 +196,7 @@ class Plan:
     grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 192),
                        ("tie_weights", False))
     grid_batch: int = 8
+    experiments: tuple = EXPERIMENTS       # which of (a), (b), (c) to run
 
 
 @dataclass
@@ -270,31 +251,49 @@ class Validation:
 def _race(candidates: dict, repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Every rank: seconds of each ``candidates[name]()`` from a common barrier, interleaved
     (A B, then B A, ...) after ``warmup`` rounds: wall-clock under ``name``, this process's CPU
-    seconds (``time.process_time``, every thread) under ``name + " cpu"``. The caller takes the
-    slowest rank's."""
+    seconds (``time.process_time``, every thread) under ``name + " cpu"``, and what the call
+    returned (its seconds outside collectives) under ``name + " compute"``. The caller takes
+    the slowest rank's."""
     names = list(candidates)
     times = {key: [] for name in names for key in (name, name + " cpu")}
     for i in range(warmup + repeats):
         for name in names if i % 2 == 0 else names[::-1]:
             dist.barrier()
             start, cpu = time.perf_counter(), time.process_time()
-            candidates[name]()
+            outside = candidates[name]()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
                 times[name + " cpu"].append(time.process_time() - cpu)
+                times.setdefault(name + " compute", []).append(outside or 0.0)
     return times
 
 
-class _NoCollectives:
-    """Every ``dist.all_reduce`` a no-op: the same step's compute alone (values are then wrong;
-    only the time is kept)."""
+class _Outside:
+    """Times a step's compute: its wall-clock seconds outside ``dist.all_reduce`` (every
+    collective the TP and DP steps here make). Compute measured inside the real step, between
+    its waits, is what the step spends: the same code with the collectives removed would run
+    as one long stretch, and a loaded machine's scheduler stretches that (many time slices
+    behind the other runnable processes) where short pieces after a wait run at once."""
 
-    def __enter__(self):
-        self.saved, dist.all_reduce = dist.all_reduce, lambda *a, **k: None
-        return self
+    def __init__(self, step):
+        self.step = step
 
-    def __exit__(self, *exc):
-        dist.all_reduce = self.saved
+    def __call__(self) -> float:
+        inside, saved = [0.0], dist.all_reduce
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return saved(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - start
+
+        dist.all_reduce, start = timed, time.perf_counter()
+        try:
+            self.step()
+        finally:
+            dist.all_reduce = saved
+        return time.perf_counter() - start - inside[0]
 
 
 def _zero(params) -> None:
@@ -337,21 +336,40 @@ def _calibrate_all_reduce(groups, plan: Plan) -> dict:
 
 
 def _validate_rank(plan: Plan) -> dict:
+    from labkit.compress import NodeGroups
+    torch.set_num_threads(1)
+    groups = NodeGroups(2, 2)
+    out = {"calibration": _calibrate_all_reduce(groups, plan),  # and the namespaces, to check they go
+           "namespaces": (os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{os.getppid()}/ns/net"))}
+
+    if "allreduce" in plan.experiments:
+        out.update(_run_allreduce(plan, groups))
+    if "pp_vs_tp" in plan.experiments:
+        out.update(_run_pp_vs_tp(plan, groups))
+    if "2d" in plan.experiments:
+        out.update(_run_2d(plan, groups))
+    return out
+
+
+def _run_allreduce(plan: Plan, groups) -> dict:
+    """(a) hierarchical vs flat all-reduce, and the bytes the hierarchical one sends."""
+    from labkit.comm import CommTracer
+    from labkit.compress import hierarchical_all_reduce
+    x = torch.randn(plan.allreduce_bytes // 4)
+    out = {"allreduce": _race({"flat": lambda: dist.all_reduce(x.clone()),
+                               "hierarchical": lambda: hierarchical_all_reduce(x.clone(), groups)}, plan.repeats)}
+    with CommTracer() as tracer:
+        hierarchical_all_reduce(x.clone(), groups)
+    out["hierarchical_traced_bytes"] = sum(e.bytes for e in tracer.events)
+    return out
+
+
+def _run_pp_vs_tp(plan: Plan, groups) -> dict:
+    """(b) PP vs TP across nodes: ranks 0 (node 0) and 2 (node 1); 1 and 3 idle."""
     from labkit import pp
-    from labkit.compress import NodeGroups, hierarchical_all_reduce
     from labkit.models import GPT, GPTConfig
     from labkit.tp import tensor_parallel
-    torch.set_num_threads(1)
-    rank = dist.get_rank()
-    groups = NodeGroups(2, 2)
-    out = {"calibration": _calibrate_all_reduce(groups, plan)}
-
-    # (a) hierarchical vs flat all-reduce
-    x = torch.randn(plan.allreduce_bytes // 4)
-    out["allreduce"] = _race({"flat": lambda: dist.all_reduce(x.clone()),
-                              "hierarchical": lambda: hierarchical_all_reduce(x.clone(), groups)}, plan.repeats)
-
-    # (b) PP vs TP across nodes: ranks 0 (node 0) and 2 (node 1); 1 and 3 idle
+    rank, out = dist.get_rank(), {}
     config = GPTConfig(**dict(plan.seq_gpt))
     idx, tgt = _tokens(config, plan.seq_batch, 0)
     pair = groups.across  # [0, 2] on ranks 0 and 2
@@ -368,24 +386,26 @@ def _validate_rank(plan: Plan) -> dict:
             _zero(tp_model.parameters())
             tp_model(idx, tgt)[1].backward()
 
-        def tp_compute():
-            with _NoCollectives():
-                tp_step()
-
         def pp_step():
             _zero(stage_module.parameters())
             traces.append(runner.step(actions, idx, tgt, plan.microbatches, pp.gpt_loss)[1])
 
-        steps = {"PP": pp_step, "TP": tp_step, "TP compute": tp_compute}
+        steps = {"PP": pp_step, "TP": _Outside(tp_step)}
         out["tp_traced"] = _traced_all_reduces(tp_step)
-    out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP", "TP compute")}, plan.repeats)
+    out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP")}, plan.repeats)
     # the pipeline's compute per micro-batch: the F and B actions of the measured steps (their
     # waits for a message excluded, as the runner's trace keeps them)
     f = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "F"]
     b = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "B"]
     out["pp_pieces"] = {"forward": f, "backward": b}
+    return out
 
-    # (c) TP inside x DP across vs DP over all four ranks
+
+def _run_2d(plan: Plan, groups) -> dict:
+    """(c) TP inside x DP across vs DP over all four ranks."""
+    from labkit.models import GPT, GPTConfig
+    from labkit.tp import tensor_parallel
+    rank, out = dist.get_rank(), {}
     config = GPTConfig(**dict(plan.grid_gpt))
     idx, tgt = _tokens(config, plan.grid_batch, 1)
     node, local = divmod(rank, 2)
@@ -404,14 +424,7 @@ def _validate_rank(plan: Plan) -> dict:
         dp_model(idx[rank * quarter:(rank + 1) * quarter], tgt[rank * quarter:(rank + 1) * quarter])[1].backward()
         dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in dp_params]))
 
-    def stubbed(step):
-        def run():
-            with _NoCollectives():
-                step()
-        return run
-
-    out["2d"] = _race({"TPxDP": grid_step, "DP": dp_step, "TPxDP compute": stubbed(grid_step),
-                       "DP compute": stubbed(dp_step)}, plan.repeats)
+    out["2d"] = _race({"TPxDP": _Outside(grid_step), "DP": _Outside(dp_step)}, plan.repeats)
     out["grid_traced"] = _traced_all_reduces(grid_step)
     out["grid_param_bytes"] = sum(p.numel() * p.element_size() for p in grid_params)
     out["dp_param_bytes"] = sum(p.numel() * p.element_size() for p in dp_params)
@@ -441,68 +454,77 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
     """Calibrate alpha-beta per link class on emulated nodes (2 x 2), then, in the same launch,
     run and predict (a) the hierarchical vs the flat all-reduce, (b) a 2-stage pipeline vs TP=2
     across the two nodes, (c) TP inside x DP across vs DP over all four ranks. ``changes``:
-    fields of ``Plan`` (e.g. ``bandwidth="50mbit"``, ``repeats=7``)."""
-    from labkit.models import GPTConfig
+    fields of ``Plan`` (e.g. ``bandwidth="50mbit"``, ``repeats=7``, ``experiments=("allreduce",)``)."""
     plan = plan or Plan()
     if changes:
         plan = Plan(**{**plan.__dict__, **changes})
+    unknown = set(plan.experiments) - set(EXPERIMENTS)
+    if unknown:
+        raise ValueError(f"validate: unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
     results = run_on_nodes(_validate_rank, 2, 2, plan, bandwidth=plan.bandwidth, timeout=timeout)
     times = {k: v for k, v in results[0]["calibration"].items() if v}
-    fits = {k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items()}
-    links = links_of(fits)
-    rows, verdicts, details = [], [], {}
+    links = links_of({k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items()})
+    out = Validation(links, [], [], plan.bandwidth, MODEL, times,
+                     {"samples": {}, "namespaces": sorted({ns for r in results for ns in r["namespaces"]})})
+    for name, analyse in (("allreduce", _analyse_allreduce), ("pp_vs_tp", _analyse_pp_vs_tp), ("2d", _analyse_2d)):
+        if name in plan.experiments:
+            out.details["samples"][name] = _slowest(results, name)
+            a, b = analyse(plan, results, links, out.details)
+            out.rows += [a, b]
+            out.verdicts.append(_verdict(name, a, b))
+    return out
 
-    # (a)
+
+def _check_traced(what: str, traced: list, expected: list) -> None:
+    if traced != sorted(expected):
+        raise RuntimeError(f"{what}: the all-reduces traced in the step (bytes {traced}) are not the "
+                           f"model's (bytes {sorted(expected)}): the prediction would count the wrong messages")
+
+
+def _analyse_allreduce(plan, results, links, details):
     samples = _slowest(results, "allreduce")
     predicted = predict_all_reduce(plan.allreduce_bytes, links)
+    details["hierarchical_traced_bytes"] = results[0]["hierarchical_traced_bytes"]
     mib = plan.allreduce_bytes / 2**20
     flat = _row("allreduce", f"flat ring {mib:g} MiB (dist.all_reduce)",
                 {"total": predicted["flat"], "comm": predicted["flat"], "compute": 0.0}, samples["flat"])
     hier = _row("allreduce", f"hierarchical 2x2 {mib:g} MiB",
                 {"total": predicted["hierarchical"], "comm": predicted["hierarchical"], "compute": 0.0},
                 samples["hierarchical"])
-    rows += [flat, hier]
-    verdicts.append(_verdict("allreduce", flat, hier))
+    return flat, hier
 
-    # (b)
+
+def _analyse_pp_vs_tp(plan, results, links, details):
+    from labkit.models import GPTConfig
     config = GPTConfig(**dict(plan.seq_gpt))
     tokens = plan.seq_batch * config.block_size
     samples = _slowest(results, "pp_vs_tp")
-    tp_compute = statistics.median(samples["TP compute cpu"])
-    tp = predict_tp(tokens, config.n_embd, config.n_layer, 2, links, "across", compute=tp_compute)
-    expected = sorted([tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [tokens * 4] * 3)
-    details["tp_traced_all_reduces"] = results[0]["tp_traced"]
-    if results[0]["tp_traced"] != expected:
-        raise AssertionError(f"TP step: traced all-reduces {results[0]['tp_traced']} != the model's {expected}")
+    _check_traced("TP=2 step", results[0]["tp_traced"],
+                  [tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [tokens * 4] * 3)
+    tp = predict_tp(tokens, config.n_embd, config.n_layer, 2, links, "across",
+                    compute=statistics.median(samples["TP compute"]))
     med = {r: {k: statistics.median(v) for k, v in results[r]["pp_pieces"].items()} for r in (0, 2)}
-    details["pp_pieces_s"] = med
+    details["pp_compute_per_microbatch_s"] = {"stage 0": med[0], "stage 1": med[2]}
     mb_bytes = tokens // plan.microbatches * config.n_embd * 4
     pipe = predict_pipeline(mb_bytes, plan.microbatches, links, (med[0]["forward"], med[2]["forward"]),
                             (med[2]["backward"], med[0]["backward"]))
-    pp_row = _row("pp_vs_tp", f"PP=2 across (GPipe, {plan.microbatches} micro-batches)", pipe, samples["PP"])
-    tp_row = _row("pp_vs_tp", "TP=2 across", tp, samples["TP"])
-    rows += [pp_row, tp_row]
-    verdicts.append(_verdict("pp_vs_tp", pp_row, tp_row))
+    return (_row("pp_vs_tp", f"PP=2 across (GPipe, {plan.microbatches} micro-batches)", pipe, samples["PP"]),
+            _row("pp_vs_tp", "TP=2 across", tp, samples["TP"]))
 
-    # (c)
+
+def _analyse_2d(plan, results, links, details):
+    from labkit.models import GPTConfig
     config = GPTConfig(**dict(plan.grid_gpt))
     samples = _slowest(results, "2d")
-    grid_tokens = plan.grid_batch // 2 * config.block_size
-    grid_tp = predict_tp(grid_tokens, config.n_embd, config.n_layer, 2, links, "inside")
-    grid_dp = predict_dp(results[0]["grid_param_bytes"], 2, links, "across", flows=2)
-    grid_compute = statistics.median(samples["TPxDP compute cpu"])
-    grid = {"comm": grid_tp["comm"] + grid_dp["comm"], "compute": grid_compute}
+    tokens = plan.grid_batch // 2 * config.block_size  # one replica's (one node's)
+    grid_bytes, dp_bytes = results[0]["grid_param_bytes"], results[0]["dp_param_bytes"]
+    details["gradient_bytes"] = {"TPxDP": grid_bytes, "DP": dp_bytes}
+    _check_traced("TP=2 x DP=2 step", results[0]["grid_traced"],
+                  [tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [tokens * 4] * 3 + [grid_bytes])
+    tp = predict_tp(tokens, config.n_embd, config.n_layer, 2, links, "inside")
+    dp = predict_dp(grid_bytes, 2, links, "across", flows=2)  # the two DP groups cross at once
+    grid = {"comm": tp["comm"] + dp["comm"], "compute": statistics.median(samples["TPxDP compute"])}
     grid["total"] = grid["comm"] + grid["compute"]
-    flat_dp = predict_dp(results[0]["dp_param_bytes"], 4, links, "across", compute=statistics.median(samples["DP compute cpu"]))
-    expected = sorted([grid_tokens * config.n_embd * 4] * (4 * config.n_layer + 2) + [grid_tokens * 4] * 3
-                      + [results[0]["grid_param_bytes"]])
-    details["grid_traced_all_reduces"] = results[0]["grid_traced"]
-    if results[0]["grid_traced"] != expected:
-        raise AssertionError(f"TPxDP step: traced all-reduces {results[0]['grid_traced']} != the model's {expected}")
-    grid_row = _row("2d", "TP=2 inside x DP=2 across", grid, samples["TPxDP"])
-    dp_row = _row("2d", "DP=4 (flat ring over both nodes)", flat_dp, samples["DP"])
-    rows += [grid_row, dp_row]
-    verdicts.append(_verdict("2d", grid_row, dp_row))
-    details["param_bytes"] = {"TPxDP": results[0]["grid_param_bytes"], "DP": results[0]["dp_param_bytes"]}
-    details["samples"] = {key: _slowest(results, key) for key in ("allreduce", "pp_vs_tp", "2d")}
-    return Validation(links, rows, verdicts, plan.bandwidth, MODEL, times, details)
+    flat = predict_dp(dp_bytes, 4, links, "across", compute=statistics.median(samples["DP compute"]))
+    return (_row("2d", "TP=2 inside x DP=2 across", grid, samples["TPxDP"]),
+            _row("2d", "DP=4 (flat ring over both nodes)", flat, samples["DP"]))

@@ -161,3 +161,67 @@ def test_unavailable_says_why(monkeypatch):
     from labkit.course.bench.ch11_compress import hierarchical_emulated_row
     line = hierarchical_emulated_row()
     assert line.startswith("hierarchical_emulated: skipped: ") and "need root" in line, line
+    from labkit import netbed as lab_netbed
+    with pytest.raises(netbed.NetbedUnavailable, match="need root"):
+        lab_netbed.validate()
+
+
+# ----------------------------------------------------------------------------- chapter 14: the model on the bed
+
+
+def test_predictions_are_the_ring_formulas_per_link_class():
+    """The arithmetic ``validate`` compares with, on made-up links (no bed needed): inside
+    alpha 10 us at 1 GB/s, across alpha 100 us at 10 MB/s."""
+    from labkit import netbed as lab_netbed
+    links = lab_netbed.links_of({"inside": (1e-5, 1e-9), "across": (1e-4, 1e-7)})
+    S = 4 << 20
+    got = lab_netbed.predict_all_reduce(S, links)
+    # flat: 2(N-1) = 6 steps of S/4, each waiting for a hop across
+    assert got["flat"] == pytest.approx(6 * (1e-4 + S / 4 * 1e-7))
+    # hierarchical: reduce-scatter and all-gather inside (1 step of S/2 each), the S/2 shard
+    # all-reduced across (2 steps of S/4), both ranks of a node crossing at once (bandwidth / 2)
+    assert got["hierarchical"] == pytest.approx(2 * (1e-5 + S / 2 * 1e-9) + 2 * (1e-4 + S / 4 * 2e-7))
+    # TP: 4L + 2 activation all-reduces and 3 of one number per token, plus the compute given
+    tp = lab_netbed.predict_tp(1000, 32, 2, 2, links, "across", compute=0.5)
+    assert tp["comm"] == pytest.approx(10 * 2 * (1e-4 + 64000 * 1e-7) + 3 * 2 * (1e-4 + 2000 * 1e-7))
+    assert tp["total"] == pytest.approx(tp["comm"] + 0.5)
+    # the flow shop: link-bound (c = 1.0001 s) -> f0 + f1 + m c, then b1 + b0 + m c
+    c = 1e-4 + 1e7 * 1e-7
+    pipe = lab_netbed.predict_pipeline(1e7, 3, links, forward=(0.1, 0.2), backward=(0.3, 0.4))
+    assert pipe["total"] == pytest.approx(0.1 + 0.2 + 3 * c + 0.3 + 0.4 + 3 * c)
+    # compute-bound (tiny messages): the slowest stage sets the pace, the link adds one message each way
+    pipe = lab_netbed.predict_pipeline(10, 3, links, forward=(0.1, 0.2), backward=(0.3, 0.4))
+    small = max(1e-4 + 10 * 1e-7, 1e-5 + 10 * 1e-9)
+    assert pipe["total"] == pytest.approx(0.1 + 0.2 + small + 2 * 0.2 + 0.3 + 0.4 + small + 2 * 0.4)
+    # a message across is never cheaper than inside: a negative alpha (tc's burst) floors there
+    burst = lab_netbed.links_of({"inside": (1e-5, 1e-9), "across": (-5e-3, 1e-7)})
+    assert lab_netbed.predict_dp(1000, 2, burst, "across")["comm"] == pytest.approx(2 * (1e-5 + 500 * 1e-9))
+    assert lab_netbed.predict_dp(4e6, 2, burst, "across", flows=2)["comm"] == pytest.approx(2 * (-5e-3 + 2e6 * 2e-7))
+
+
+@needs_bed
+def test_the_model_calibrated_on_the_bed_predicts_every_layout():
+    """Chapter 14 on emulated nodes (2 x 2, 100 Mbit/s between nodes), one launch: alpha-beta
+    fitted per link class, then hierarchical vs flat all-reduce, PP vs TP across the nodes,
+    TP inside x DP across vs DP over all four. Every median step within +-25 % of its
+    prediction, every winner predicted, and nothing of the bed left afterwards."""
+    from labkit import netbed as lab_netbed
+    links_before = _host_links()
+    result = lab_netbed.validate()
+    table = result.table()
+    print(table)
+    assert [r.layout for r in result.rows][:2] == ["flat ring 4 MiB (dist.all_reduce)", "hierarchical 2x2 4 MiB"]
+    assert len(result.rows) == 6 and len(result.verdicts) == 3, table
+    across, inside = result.links["across"], result.links["inside"]
+    # tc shapes 100 Mbit/s = 12.5 MB/s; TCP/IP headers take ~5 %: the fit must find the throttle
+    assert 9e6 < across.bandwidth < 13e6, f"fitted across-node bandwidth {across.bandwidth / 1e6:.2f} MB/s\n{table}"
+    assert inside.bandwidth > 20 * across.bandwidth, f"inside {inside.bandwidth / 1e6:.0f} MB/s\n{table}"
+    for r in result.rows:
+        assert abs(r.error) <= 0.25, (f"{r.experiment} / {r.layout}: measured {r.measured_s * 1e3:.1f} ms "
+                                      f"(samples {[round(x * 1e3) for x in r.samples]}) vs predicted "
+                                      f"{r.predicted_s * 1e3:.1f} ms: {r.error:+.1%}, outside +-25 %\n{table}")
+        assert r.comm_s > 2 * r.compute_s, f"{r.layout}: compute {r.compute_s:.3f} s is not small against comm\n{table}"
+    for v in result.verdicts:
+        assert v.agree, f"{v.experiment}: measured {v.faster} faster by {v.measured_speedup:.2f}x, the model says otherwise\n{table}"
+    assert result.ok(0.25)
+    _assert_gone(set(result.details["namespaces"]), links_before)

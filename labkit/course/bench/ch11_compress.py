@@ -106,59 +106,26 @@ def hierarchical_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
                     r["traced"], r["formula"])
 
 
-EMULATED_NUMEL = 2 ** 20  # 4 MiB of fp32
-EMULATED_LINK = "1gbit"
-
-
-def emulated_predictions(size: float, nodes: int, per_node: int, inside: tuple, across: tuple) -> dict:
-    """alpha-beta seconds of an all-reduce of ``size`` bytes on ``nodes x per_node`` ranks,
-    ``inside``/``across`` the (alpha, beta) of a message on each link class (chapter 00):
-    * flat: gloo's ring over the world, rank order, 2(N-1) steps of S/N; a step waits for its
-      slowest hop, which crosses nodes (one flow per node link and direction);
-    * hierarchical: a ring reduce-scatter and all-gather inside the node, (L-1) steps of S/L
-      each, and a ring all-reduce of the S/L shard across nodes, 2(M-1) steps of S/(LM), where
-      the L ranks of a node send at once over its one link (each step moves L x S/(LM))."""
-    (a_in, b_in), (a_x, b_x) = inside, across
-    world = nodes * per_node
-    flat = 2 * (world - 1) * (a_x + size / world * b_x)
-    hier = (2 * (per_node - 1) * (a_in + size / per_node * b_in)
-            + 2 * (nodes - 1) * (a_x + per_node * size / (per_node * nodes) * b_x))
-    return {"flat": flat, "hierarchical": hier}
-
-
 @row("hierarchical_emulated")
 def hierarchical_emulated_row(repeats: int = 5, world_size: int = 4):
-    """your hierarchical all-reduce vs the flat ring on 2 emulated nodes x 2 ranks, 1 Gbit/s between nodes"""
+    """your hierarchical all-reduce vs the flat ring on 2 emulated nodes x 2 ranks (always 4), 100 Mbit/s between nodes, against the alpha-beta model calibrated on the same bed"""
     from labkit import netbed
     why = netbed.unavailable()
     if why:
         return f"hierarchical_emulated: skipped: {why}"
-    latency = 100 if netbed.netem_available() else 0  # without sch_netem: the bed's own latency
-    links = netbed.calibrate(2, 2, bandwidth=EMULATED_LINK, latency_us=latency)
-    r = netbed.run_on_nodes(_emulated_all_reduces, 2, 2, repeats, EMULATED_NUMEL,
-                            bandwidth=EMULATED_LINK, latency_us=latency, timeout=600)[0]
-    predicted = emulated_predictions(EMULATED_NUMEL * 4, 2, 2, links["inside"], links["across"])
-    delay = f"{latency} us added" if latency else "no added delay (no sch_netem)"
-    return BenchRow(f"all-reduce of {EMULATED_NUMEL * 4 / 2**20:.0f} MiB fp32, hierarchical 2 x 2 vs flat ring, "
-                    f"emulated nodes, {EMULATED_LINK}/s, {delay}", r["ours"], r["builtin"], r["traced"], r["formula"],
-                    extra=dict(predicted_ms={k: v * 1e3 for k, v in predicted.items()},
-                               measured_over_predicted={"hierarchical": r["ours"] / predicted["hierarchical"],
-                                                        "flat": r["builtin"] / predicted["flat"]},
-                               alpha_us={k: links[k][0] * 1e6 for k in ("inside", "across")},
-                               beta_ns_per_B={k: links[k][1] * 1e9 for k in ("inside", "across")}))
-
-
-def _emulated_all_reduces(repeats: int, numel: int) -> dict:
-    from labkit.comm import CommTracer
-    from labkit.compress import NodeGroups, hierarchical_all_reduce
-    groups = NodeGroups(2, dist.get_world_size() // 2)
-    x = torch.randn(numel)
-    medians = interleaved_medians({"ours": lambda t: hierarchical_all_reduce(t, groups), "builtin": dist.all_reduce},
-                                  lambda: x.clone(), repeats, warmup=1)
-    with CommTracer() as tracer:
-        hierarchical_all_reduce(x.clone(), groups)
-    shard = -(-numel // groups.ranks_per_node) * 4
-    return dict(medians, traced=sum(e.bytes for e in tracer.events), formula=2 * shard * groups.ranks_per_node + shard)
+    plan = netbed.Plan(repeats=repeats, experiments=("allreduce",))
+    v = netbed.validate(plan)  # one launch: alpha-beta per link class fitted, then both all-reduces timed
+    flat, hier = v.rows
+    shard = -(-plan.allreduce_bytes // 4 // 2) * 4  # the traced buffers: reduce-scatter in, all-reduce, all-gather out
+    formula = 2 * shard * 2 + shard
+    return BenchRow(f"all-reduce of {plan.allreduce_bytes / 2**20:g} MiB fp32, hierarchical 2 x 2 vs flat ring, "
+                    f"emulated nodes, {plan.bandwidth}/s between nodes", hier.measured_s, flat.measured_s,
+                    v.details["hierarchical_traced_bytes"], formula,
+                    extra=dict(predicted_ms={"hierarchical": hier.predicted_s * 1e3, "flat": flat.predicted_s * 1e3},
+                               measured_over_predicted={"hierarchical": hier.measured_s / hier.predicted_s,
+                                                        "flat": flat.measured_s / flat.predicted_s},
+                               alpha_us={k: link.alpha * 1e6 for k, link in v.links.items()},
+                               beta_ns_per_B={k: 1e9 / link.bandwidth for k, link in v.links.items()}))
 
 
 # ----------------------------------------------------------------------------- collective matmul

@@ -179,8 +179,9 @@ EXTRA_MEANINGS = {
     "ch01_trainer_sent_B": "bytes a trainer sent per iteration to chapter 01's server",
     "predicted_ms": "the alpha-beta model's milliseconds, from the link classes calibrated on the same bed",
     "measured_over_predicted": "measured median / predicted (1: the model is right)",
-    "alpha_us": "fitted latency of one message per link class, microseconds (ping-pong)",
-    "beta_ns_per_B": "fitted inverse bandwidth per link class, nanoseconds per byte (ping-pong)",
+    "alpha_us": "fitted latency of one message per link class, microseconds (2-rank all-reduces, chapter 00's fit; "
+                "negative across nodes: tc's 64 KiB burst)",
+    "beta_ns_per_B": "fitted inverse bandwidth per link class, nanoseconds per byte (2-rank all-reduces)",
 }
 
 
