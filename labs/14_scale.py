@@ -224,6 +224,7 @@ def report_published() -> dict[str, bool]:
     print(f"   {within} of {sum(not p.fitted for p in predictions)} runs not fitted on are within "
           f"+-{runs.TOLERANCE:.0%}; published layout in the search's top 3: "
           f"{sum(r is not None and r <= 3 for r in ranks.values())} of {len(ranks)}")
+    print(runs.misses(predictions))
     for name in unexplained:
         print(f"   outside +-{runs.TOLERANCE:.0%} with no reason written: {name}")
     for name, (run, (rank, ranked)) in searched.items():
