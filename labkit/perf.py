@@ -69,7 +69,8 @@ class Model:
     inner width ``expert_ffn`` (None = ffn), ``top_k`` of them per token, ``shared_experts``
     always on, a router [hidden, experts]; the first ``dense_layers`` layers keep a dense FFN.
     ``tied``: the output layer is the token embedding. Biases, norms and learned position
-    embeddings are left out of every count (they are not matmuls: a few parts per million)."""
+    embeddings are left out of every count: none of them is a matmul, and in a large model they
+    are a few parts in ten thousand of the parameters (the course's tiny GPT is the exception)."""
     layers: int
     hidden: int
     heads: int
@@ -106,6 +107,7 @@ class Model:
     # shapes
     @property
     def kv_heads_(self) -> int:
+        """Key/value heads (``kv_heads``, else one per query head)."""
         return self.kv_heads or self.heads
 
     @property
