@@ -606,7 +606,8 @@ def test_step_communication_terms_on_the_right_links():
             for layout in [Layout(tp=2, zero=0), Layout(tp=8, recompute="full"), Layout(tp=4, pp=2, microbatch=2),
                            Layout(dp=2, tp=2, cp=2, recompute="selective"), Layout(tp=2, cp=4, recompute="full"),
                            Layout(pp=2, cp=2, tp=2, schedule="interleaved", virtual=2),
-                           Layout(dp=8, ep=4, recompute="full"), Layout(dp=4, tp=2, ep=2, zero=3)]:
+                           Layout(dp=8, ep=4, recompute="full"), Layout(dp=4, tp=2, ep=2, zero=3),
+                           Layout(dp=4, cp=2, ep=2, microbatch=2)]:
                 if layout.ep > 1 and not model.experts:
                     continue
                 m = 8
@@ -722,6 +723,63 @@ def test_step_memory_parameters_and_zero():
     acts = [memory_per_gpu(model, _replace(layout, recompute=r), 16, 0)["activations"]
             for r in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2], f"perf.step: activations none/selective/full = {acts}"
+
+
+def _sp_block_traffic_on_rank():
+    """torch's Megatron-SP plan (labkit.oracles.builtin_sequence_parallel) on one course Block,
+    forward + backward traced, without and with full recomputation (torch's checkpoint): every
+    all-gather and reduce-scatter as (kind, buffer bytes, wire bytes this rank sends)."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    from labkit.comm import CommTracer
+    from labkit.models import GPT, GPTConfig
+    from labkit.oracles import builtin_sequence_parallel, device_mesh
+    torch.set_num_threads(1)
+    n, out = dist.get_world_size(), []
+    for full in (False, True):
+        torch.manual_seed(0)
+        block = GPT(GPTConfig(vocab_size=32, block_size=_SP_T, n_layer=1, n_head=_SP_HEADS, n_embd=_SP_H)).blocks[0]
+        block = builtin_sequence_parallel(block, device_mesh())
+        x = torch.randn(_SP_B, _SP_T // n, _SP_H, requires_grad=True)
+        # early stop off: the recomputation runs the whole forward again, as Megatron's does (with it,
+        # torch would skip the last reduce-scatter, whose output backward does not need)
+        with CommTracer() as tracer, set_checkpoint_early_stop(False):
+            y = torch_checkpoint(block, x, use_reentrant=False) if full else block(x)
+            y.backward(torch.ones_like(y))
+        out.append([(e.kind, e.bytes, e.wire_bytes) for e in tracer.events if e.kind != "barrier"])
+    return out
+
+
+_SP_B, _SP_T, _SP_H, _SP_HEADS = 2, 8, 16, 4
+
+
+@_task("perf.step", points=2)
+def test_step_tp_traffic_equals_traced_sequence_parallel_block():
+    """The TP/SP term against the traffic of a real sequence-parallel layer: torch's Megatron-SP
+    plan on a course Block at tp = 2 (one launch), forward + backward, traced with CommTracer,
+    and again under full recomputation (torch's checkpoint, without early stop, runs the whole
+    forward, and its collectives, again, as Megatron-LM does). On a link of alpha 0 and 1 byte/s, step_time's tp_comm for a 1-layer
+    model of the block's shape is the bytes each rank sends (scaled from fp32 to the model's
+    16-bit activations): every all-gather and reduce-scatter moves the B x T x H activation."""
+    from labkit.perf import Layout, Link, Model, step_time
+    from labkit.course.grading import run_graded
+    traced = run_graded("perf.step", _sp_block_traffic_on_rank, 2)
+    model = Model(layers=1, hidden=_SP_H, heads=_SP_HEADS, vocab=32, seq=_SP_T)
+    cluster = _cluster(nvlink=(0.0, 1.0))
+    activation = _SP_B * _SP_T * _SP_H * 4                          # fp32 bytes of the whole sequence
+    for rank, runs in enumerate(traced):
+        for recompute, events in zip(("none", "full"), runs):
+            where = f"perf.step: tp=2, recompute={recompute}, rank {rank}"
+            kinds = sorted({kind for kind, _, _ in events})
+            assert kinds == ["all_gather", "reduce_scatter"] and all(b == activation for _, b, _ in events), \
+                f"{where}: test set-up: torch's SP block traced {events}"
+            st = step_time(model, Layout(tp=2, microbatch=_SP_B, zero=0, recompute=recompute), cluster, _SP_B)
+            sent = sum(wire for _, _, wire in events) * 2 / 4            # fp32 traced, 16-bit modelled
+            _close(st.tp_comm, sent, f"{where}: tp_comm on a 1 byte/s link vs the bytes the traced layer sent "
+                                     f"({len(events)} collectives)")
 
 
 @_task("perf.step", points=2)
@@ -855,6 +913,54 @@ def test_search_equals_brute_force():
             _close(got[0][1].total, best, f"{where}: the best layout's step vs the minimum over all valid layouts")
     with _pytest.raises(ValueError):
         search_layouts(_dense(), _cluster(), 8, 8, top=0)
+
+
+@_task("perf.search", points=2)
+def test_search_candidates_are_every_valid_layout():
+    """candidate_layouts yields every layout step_time accepts for the limits given, each once,
+    and nothing else (besides the search's conventions: one ZeRO stage when dp x cp = 1, "1f1b"
+    without a pipeline, uneven=True exactly when pp x v does not divide the layers), on 12 GPUs
+    for uneven factors: every tp | heads, cp | seq (max_cp=None), pp and v with and without
+    uneven stages, ep | dp and experts."""
+    from labkit.perf import Layout, candidate_layouts, step_time
+    cluster = _cluster(memory=1e15)
+    limits = dict(zero=(0, 3), microbatch=(1, 2), virtual=(2, 3), recompute=("none",), max_cp=None)
+    for model, uneven in ((_dense(layers=6, heads=12, hidden=240, seq=24), False),
+                          (_dense(layers=6, heads=12, hidden=240, seq=24), True), (_moe(layers=6, seq=24), False)):
+        batch = 12
+        got = list(candidate_layouts(model, 12, batch, uneven=uneven, **limits))
+        where = f"perf.search: {model.name} layers={model.layers} uneven={uneven}"
+        assert len(got) == len(set(got)), f"{where}: candidate_layouts repeats layouts"
+        want = set()
+        for dp, tp, pp, cp in _it.product(range(1, 13), repeat=4):
+            if dp * tp * pp * cp != 12:
+                continue
+            for ep, zero, b, schedule, v, cut in _it.product(range(1, dp + 1), (0, 3), (1, 2), _SCHEDULES_ALL,
+                                                              (1, 2, 3), (False, True)):
+                if (schedule == "interleaved") != (v > 1) or (zero and dp * cp == 1) or (pp == 1 and schedule != "1f1b"):
+                    continue
+                if cut != (model.layers % (pp * v) != 0) or (cut and not uneven):
+                    continue
+                layout = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, microbatch=b, schedule=schedule,
+                                virtual=v, uneven=cut)
+                try:
+                    step_time(model, layout, cluster, batch, gpus=12)
+                except ValueError:
+                    continue
+                want.add(layout)
+        missing, extra = want - set(got), set(got) - want
+        assert not missing and not extra, \
+            f"{where}: candidate_layouts misses {sorted(map(str, missing))[:4]} and adds {sorted(map(str, extra))[:4]}"
+    # max_tp, max_cp and max_ep bound their axis, and nothing else
+    model = _moe(layers=6, seq=24)
+    every = list(candidate_layouts(model, 16, 32, max_cp=None))
+    for axis, limit in (("tp", 2), ("cp", 2), ("ep", 2), ("tp", 4)):
+        bounded = list(candidate_layouts(model, 16, 32, **{"max_cp": None, f"max_{axis}": limit}))
+        want = [layout for layout in every if getattr(layout, axis) <= limit]
+        assert bounded == want, f"perf.search: max_{axis}={limit}: {len(bounded)} candidates, expected {len(want)}"
+
+
+_SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved")
 
 
 @_task("perf.search", points=2)
