@@ -295,13 +295,17 @@ def full_state_dict(model) -> dict:
 class builtin_checkpoint(torch.nn.Module):
     """``block`` (a module or any function of tensors) run under ``torch.utils.checkpoint``,
     non-reentrant (the recommended mode): put it where the block was
-    (``model.blocks[i] = builtin_checkpoint(model.blocks[i])``), or call it once."""
+    (``model.blocks[i] = builtin_checkpoint(model.blocks[i])``), or call it once.
+    ``early_stop=False`` makes backward run the block's whole forward again; by default torch
+    stops recomputing once every saved tensor is back, which skips the ops after the last one
+    that saves anything (in the course's block, the MLP's output projection: chapter 14)."""
 
-    def __init__(self, block):
+    def __init__(self, block, early_stop: bool = True):
         super().__init__()
-        self.block = block
+        self.block, self.early_stop = block, early_stop
 
     def forward(self, *inputs):
-        from torch.utils.checkpoint import checkpoint
+        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-        return checkpoint(self.block, *inputs, use_reentrant=False)
+        with set_checkpoint_early_stop(self.early_stop):
+            return checkpoint(self.block, *inputs, use_reentrant=False)

@@ -10,7 +10,8 @@ counts 0; the math backend runs the scores and the weighted sum as bmm, which is
 as the full square) equal ``flops_per_token`` EXACTLY, per token, for dense configs (tied and
 untied, several widths, heads, lengths, vocabularies, batch > 1) and MoE configs (dropless, top-1
 and top-2); with every block under ``torch.utils.checkpoint`` (full) or only the attention core
-(selective), early stop off so that the whole forward is run again. GQA, SwiGLU, shared experts,
+(selective), through labkit.oracles.builtin_checkpoint with early stop off so that the whole
+forward is run again. GQA, SwiGLU, shared experts,
 dense leading layers and a head width other than hidden/heads are counted by FlopCounterMode on
 a small transformer written here with plain Linears (the shapes a ``Model`` states), and checked
 on published parameter counts (GPT-3 175B, Llama 3 405B, Mixtral 8x7B's 47B/13B, PaLM 540.35B) and
@@ -27,6 +28,7 @@ two; the link class of groups of every stride inside and across nodes, with and 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import types
@@ -37,10 +39,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
 from labkit.course.grading import task
+from labkit.oracles import builtin_checkpoint
 from labkit.models import GPT, GPTConfig
 
 
@@ -51,7 +53,7 @@ def counted_per_token(model: nn.Module, vocab: int, batch: int, seq: int) -> flo
     """FlopCounterMode's count of one forward + backward of ``model`` on [batch, seq] tokens,
     per token (math attention: the fused CPU kernel has no FLOP formula)."""
     idx = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-    with sdpa_kernel(SDPBackend.MATH), set_checkpoint_early_stop(False), FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         out = model(idx, idx) if isinstance(model, GPT) else model(idx)
         loss = out[1] if isinstance(out, tuple) else out.float().pow(2).mean()
         loss.backward()
@@ -59,10 +61,11 @@ def counted_per_token(model: nn.Module, vocab: int, batch: int, seq: int) -> flo
 
 
 def checkpoint_blocks(gpt: GPT) -> GPT:
-    """Full recomputation: every block's forward under torch.utils.checkpoint."""
-    for block in gpt.blocks:
-        block.forward = types.MethodType(
-            lambda self, x, f=block.forward: checkpoint(f, x, use_reentrant=False), block)
+    """Full recomputation: every block under torch.utils.checkpoint, early stop off (by default
+    torch skips recomputing the ops after the last one that saves a tensor: here the MLP's
+    output projection, 2 x 4h x h FLOPs per token and layer fewer than a whole forward)."""
+    for block in gpt.blocks:  # the block stays in place (an MoE model reads block.mlp.aux)
+        block.forward = lambda x, run=builtin_checkpoint(block.forward, early_stop=False): run(x)
     return gpt
 
 
@@ -71,11 +74,71 @@ def checkpoint_attention_core(gpt: GPT) -> GPT:
     def forward(self, x):
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=-1))
-        y = checkpoint(F.scaled_dot_product_attention, q, k, v, is_causal=True, use_reentrant=False)
+        y = builtin_checkpoint(functools.partial(F.scaled_dot_product_attention, is_causal=True), early_stop=False)(q, k, v)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
     for block in gpt.blocks:
         block.attn.forward = types.MethodType(forward, block.attn)
     return gpt
+
+
+# The pure arithmetic first (cheap), then the counts of FlopCounterMode.
+
+@task("perf.flops", points=2)
+def test_parameter_counts_and_closed_forms_of_published_models():
+    from labkit.perf import Model, flops_per_token
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d 12288, 96 heads, 2048 tokens, 50257-token vocabulary, tied
+    gpt3 = Model(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048, tied=True)
+    assert round(gpt3.active_params() / 1e9) == 175, f"perf.flops: GPT-3 counts {gpt3.active_params() / 1e9:.1f}B, paper 175B"
+    # Llama 3 405B (Dubey et al. 2024, Table 3): 126 layers, 16384, FFN 53248, 128 heads, 8 KV heads, vocab 128256
+    llama = Model(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, gated=True, vocab=128256, seq=8192)
+    embedding = llama.vocab * llama.hidden
+    assert round((llama.active_params() + embedding) / 1e9) == 406, \
+        f"perf.flops: Llama 3 405B counts {(llama.active_params() + embedding) / 1e9:.2f}B (405.8B with its embedding)"
+    # Mixtral 8x7B (Jiang et al. 2024): 47B parameters, 13B active per token (embedding counted)
+    mixtral = Model(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True, experts=8, top_k=2,
+                    vocab=32000, seq=4096)
+    assert round(mixtral.params() / 1e9) == 47, f"perf.flops: Mixtral has {mixtral.params() / 1e9:.1f}B parameters, paper 47B"
+    active = (mixtral.active_params() + mixtral.vocab * mixtral.hidden) / 1e9
+    assert round(active) == 13, f"perf.flops: Mixtral's active parameters {active:.2f}B, paper 13B"
+    # Narayanan et al. 2021 (eq. 3): a GPT layer of 12 h^2, output layer V h: per batch of B sequences
+    # of s tokens, 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) model FLOPs, 96 B s L h^2 (1 + s/(6h) + V/(16 L h))
+    # with full recomputation. B s = tokens; exact in integers for these shapes.
+    for L, h, a, s, V in ((128, 25600, 160, 2048, 51200), (24, 2304, 24, 2048, 51200), (3, 64, 4, 96, 48)):
+        model = Model(layers=L, hidden=h, heads=a, vocab=V, seq=s)
+        narayanan = 72 * L * h * h + 12 * L * h * s + 6 * V * h            # 72 L h^2 (1 + s/6h + V/12Lh)
+        narayanan_full = 96 * L * h * h + 16 * L * h * s + 6 * V * h        # 96 L h^2 (1 + s/6h + V/16Lh)
+        assert flops_per_token(model) == narayanan, f"perf.flops: L={L} h={h}: {flops_per_token(model)} vs {narayanan}"
+        assert flops_per_token(model, "full") == narayanan_full, \
+            f"perf.flops: L={L} h={h}, full recomputation: {flops_per_token(model, 'full')} vs {narayanan_full}"
+
+
+PALM = dict(layers=118, hidden=18432, heads=48, head_dim=256, kv_heads=1, ffn=4 * 18432, gated=True,
+            vocab=256000, seq=2048, tied=True, name="PaLM 540B")
+
+
+@task("perf.flops", points=2)
+def test_mfu_and_hfu_on_palms_published_run():
+    """PaLM (Chowdhery et al. 2022, arXiv:2204.02311): 540.35B parameters; section 4 / appendix B:
+    238.3K tokens/s on 6144 TPU v4 chips, 275 TFLOP/s bf16 peak each, 46.2% MFU, 57.8% HFU."""
+    from labkit.perf import Model, hfu, mfu
+    palm = Model(**PALM)
+    assert round(palm.active_params() / 1e7) == 54035, f"perf.flops: PaLM 540B counts {palm.active_params()}, paper 540.35B"
+    tokens, chips, peak = 238.3e3, 6144, 275e12
+    got = mfu(tokens, palm, chips, peak)
+    assert round(100 * got, 1) == 46.2, f"perf.flops: PaLM 540B's MFU is {100 * got:.2f}%; the paper states 46.2%"
+    assert hfu(tokens, palm, chips, peak, "none") == got, "perf.flops: without recomputation HFU must equal MFU"
+    selective, full = (hfu(tokens, palm, chips, peak, r) for r in ("selective", "full"))
+    assert got < selective < 0.578 < full, (
+        f"perf.flops: PaLM rematerialized part of each layer (57.8% HFU): expected MFU < HFU(selective) < 57.8% < "
+        f"HFU(full); got {100 * got:.2f}, {100 * selective:.2f}, {100 * full:.2f}")
+    # utilization is linear in throughput and inverse in chips and peak
+    half = mfu(tokens / 2, palm, chips, peak)
+    assert math.isclose(half, got / 2, rel_tol=1e-12), f"perf.flops: MFU at half the throughput {half} vs {got / 2}"
+    assert math.isclose(mfu(tokens, palm, 2 * chips, peak), got / 2, rel_tol=1e-12), "perf.flops: MFU must divide by the chips"
+    assert math.isclose(hfu(tokens, palm, chips, 2 * peak, "full"), full / 2, rel_tol=1e-12), "perf.flops: HFU must divide by the peak"
+    assert math.isclose(full / got, 1 + (2 * (palm.active_params() - palm.vocab * palm.hidden) + 4 * 118 * 48 * 256 * 2048)
+                        / (6 * palm.active_params() + 12 * 118 * 48 * 256 * 2048), rel_tol=1e-12), \
+        "perf.flops: HFU(full)/MFU must be 1 + (one forward of the layers) / (model FLOPs)"
 
 
 GPT_CONFIGS = [  # (config, batch)
@@ -213,64 +276,6 @@ def test_gqa_swiglu_moe_flops_equal_flop_counter_on_their_shapes():
             got = flops_per_token(model)
             assert got == counted, (f"perf.flops: {model.name}, batch {batch}: flops_per_token gives {got:.0f}; "
                                     f"FlopCounterMode counts {counted:.0f} on its shapes (off by {got - counted:+.0f})")
-
-
-@task("perf.flops", points=2)
-def test_parameter_counts_and_closed_forms_of_published_models():
-    from labkit.perf import Model, flops_per_token
-    # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d 12288, 96 heads, 2048 tokens, 50257-token vocabulary, tied
-    gpt3 = Model(layers=96, hidden=12288, heads=96, vocab=50257, seq=2048, tied=True)
-    assert round(gpt3.active_params() / 1e9) == 175, f"perf.flops: GPT-3 counts {gpt3.active_params() / 1e9:.1f}B, paper 175B"
-    # Llama 3 405B (Dubey et al. 2024, Table 3): 126 layers, 16384, FFN 53248, 128 heads, 8 KV heads, vocab 128256
-    llama = Model(layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, gated=True, vocab=128256, seq=8192)
-    embedding = llama.vocab * llama.hidden
-    assert round((llama.active_params() + embedding) / 1e9) == 406, \
-        f"perf.flops: Llama 3 405B counts {(llama.active_params() + embedding) / 1e9:.2f}B (405.8B with its embedding)"
-    # Mixtral 8x7B (Jiang et al. 2024): 47B parameters, 13B active per token (embedding counted)
-    mixtral = Model(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, gated=True, experts=8, top_k=2,
-                    vocab=32000, seq=4096)
-    assert round(mixtral.params() / 1e9) == 47, f"perf.flops: Mixtral has {mixtral.params() / 1e9:.1f}B parameters, paper 47B"
-    active = (mixtral.active_params() + mixtral.vocab * mixtral.hidden) / 1e9
-    assert round(active) == 13, f"perf.flops: Mixtral's active parameters {active:.2f}B, paper 13B"
-    # Narayanan et al. 2021 (eq. 3): a GPT layer of 12 h^2, output layer V h: per batch of B sequences
-    # of s tokens, 72 B s L h^2 (1 + s/(6h) + V/(12 L h)) model FLOPs, 96 B s L h^2 (1 + s/(6h) + V/(16 L h))
-    # with full recomputation. B s = tokens; exact in integers for these shapes.
-    for L, h, a, s, V in ((128, 25600, 160, 2048, 51200), (24, 2304, 24, 2048, 51200), (3, 64, 4, 96, 48)):
-        model = Model(layers=L, hidden=h, heads=a, vocab=V, seq=s)
-        narayanan = 72 * L * h * h + 12 * L * h * s + 6 * V * h            # 72 L h^2 (1 + s/6h + V/12Lh)
-        narayanan_full = 96 * L * h * h + 16 * L * h * s + 6 * V * h        # 96 L h^2 (1 + s/6h + V/16Lh)
-        assert flops_per_token(model) == narayanan, f"perf.flops: L={L} h={h}: {flops_per_token(model)} vs {narayanan}"
-        assert flops_per_token(model, "full") == narayanan_full, \
-            f"perf.flops: L={L} h={h}, full recomputation: {flops_per_token(model, 'full')} vs {narayanan_full}"
-
-
-PALM = dict(layers=118, hidden=18432, heads=48, head_dim=256, kv_heads=1, ffn=4 * 18432, gated=True,
-            vocab=256000, seq=2048, tied=True, name="PaLM 540B")
-
-
-@task("perf.flops", points=2)
-def test_mfu_and_hfu_on_palms_published_run():
-    """PaLM (Chowdhery et al. 2022, arXiv:2204.02311): 540.35B parameters; section 4 / appendix B:
-    238.3K tokens/s on 6144 TPU v4 chips, 275 TFLOP/s bf16 peak each, 46.2% MFU, 57.8% HFU."""
-    from labkit.perf import Model, hfu, mfu
-    palm = Model(**PALM)
-    assert round(palm.active_params() / 1e7) == 54035, f"perf.flops: PaLM 540B counts {palm.active_params()}, paper 540.35B"
-    tokens, chips, peak = 238.3e3, 6144, 275e12
-    got = mfu(tokens, palm, chips, peak)
-    assert round(100 * got, 1) == 46.2, f"perf.flops: PaLM 540B's MFU is {100 * got:.2f}%; the paper states 46.2%"
-    assert hfu(tokens, palm, chips, peak, "none") == got, "perf.flops: without recomputation HFU must equal MFU"
-    selective, full = (hfu(tokens, palm, chips, peak, r) for r in ("selective", "full"))
-    assert got < selective < 0.578 < full, (
-        f"perf.flops: PaLM rematerialized part of each layer (57.8% HFU): expected MFU < HFU(selective) < 57.8% < "
-        f"HFU(full); got {100 * got:.2f}, {100 * selective:.2f}, {100 * full:.2f}")
-    # utilization is linear in throughput and inverse in chips and peak
-    half = mfu(tokens / 2, palm, chips, peak)
-    assert math.isclose(half, got / 2, rel_tol=1e-12), f"perf.flops: MFU at half the throughput {half} vs {got / 2}"
-    assert math.isclose(mfu(tokens, palm, 2 * chips, peak), got / 2, rel_tol=1e-12), "perf.flops: MFU must divide by the chips"
-    assert math.isclose(hfu(tokens, palm, chips, 2 * peak, "full"), full / 2, rel_tol=1e-12), "perf.flops: HFU must divide by the peak"
-    assert math.isclose(full / got, 1 + (2 * (palm.active_params() - palm.vocab * palm.hidden) + 4 * 118 * 48 * 256 * 2048)
-                        / (6 * palm.active_params() + 12 * 118 * 48 * 256 * 2048), rel_tol=1e-12), \
-        "perf.flops: HFU(full)/MFU must be 1 + (one forward of the layers) / (model FLOPs)"
 
 
 # ----------------------------------------------------------------------------- perf.roofline
@@ -731,12 +736,10 @@ def _sp_block_traffic_on_rank():
     all-gather and reduce-scatter as (kind, buffer bytes, wire bytes this rank sends)."""
     import torch
     import torch.distributed as dist
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-    from torch.utils.checkpoint import set_checkpoint_early_stop
 
     from labkit.comm import CommTracer
     from labkit.models import GPT, GPTConfig
-    from labkit.oracles import builtin_sequence_parallel, device_mesh
+    from labkit.oracles import builtin_checkpoint, builtin_sequence_parallel, device_mesh
     torch.set_num_threads(1)
     n, out = dist.get_world_size(), []
     for full in (False, True):
@@ -746,8 +749,8 @@ def _sp_block_traffic_on_rank():
         x = torch.randn(_SP_B, _SP_T // n, _SP_H, requires_grad=True)
         # early stop off: the recomputation runs the whole forward again, as Megatron's does (with it,
         # torch would skip the last reduce-scatter, whose output backward does not need)
-        with CommTracer() as tracer, set_checkpoint_early_stop(False):
-            y = torch_checkpoint(block, x, use_reentrant=False) if full else block(x)
+        with CommTracer() as tracer:
+            y = builtin_checkpoint(block, early_stop=False)(x) if full else block(x)
             y.backward(torch.ones_like(y))
         out.append([(e.kind, e.bytes, e.wire_bytes) for e in tracer.events if e.kind != "barrier"])
     return out
