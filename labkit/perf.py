@@ -600,9 +600,13 @@ def layers_on_rank(model: Model, layout: Layout, rank: int = 0) -> tuple[int, in
     the leading ``dense_layers`` of an MoE model have a dense FFN."""
     chunks = layout.pp * layout.virtual
     whole, extra = divmod(model.layers, chunks)
-    starts = [c * whole + min(c, extra) for c in range(chunks + 1)]
-    mine = [i for c in range(rank, chunks, layout.pp) for i in range(starts[c], starts[c + 1])]
-    return len(mine), sum(1 for i in mine if model.experts and i >= model.dense_layers)
+    layers = moe = 0
+    for c in range(rank, chunks, layout.pp):
+        start = c * whole + min(c, extra)
+        end = start + whole + (c < extra)
+        layers += end - start
+        moe += max(0, end - max(start, model.dense_layers)) if model.experts else 0
+    return layers, moe
 
 
 def parameters_per_gpu(model: Model, layout: Layout, rank: int = 0) -> tuple[float, float]:
@@ -690,11 +694,8 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
         if size < 2 or not params:
             continue
         nbytes = params * _ELEMENT
-        if layout.zero == 0:
+        if layout.zero < 3:       # ZeRO-0 all-reduces; 1, 2 reduce-scatter then all-gather: the same ring
             dp_comm += group_time("all_reduce", nbytes, size, stride, cluster)
-        elif layout.zero < 3:
-            dp_comm += group_time("reduce_scatter", nbytes, size, stride, cluster) \
-                + group_time("all_gather", nbytes, size, stride, cluster)
         else:
             dp_comm += m * (2 * group_time("all_gather", nbytes, size, stride, cluster)
                             + group_time("reduce_scatter", nbytes, size, stride, cluster))
