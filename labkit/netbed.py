@@ -7,6 +7,17 @@
 ``calibrate`` times ping-pongs (a send, then the answer back; half the round trip is one
 message; the fastest of a few) between rank 0 and a rank of its own node, then a rank of the
 next node, over a few message sizes, and fits t = alpha + beta * bytes with ``labkit.comm.fit_alpha_beta``.
+
+Chapter 14 holds its model to the bed (needs root):
+
+    result = validate()                # one launch, 2 nodes x 2 ranks, 100 Mbit/s between nodes
+    print(result.table()); result.ok(0.25)
+
+``validate`` fits alpha-beta per link class from 2-rank all-reduces in the same launch, then
+times and predicts (with ``labkit.perf.collective_time``) the hierarchical vs the flat
+all-reduce, a 2-stage pipeline vs TP=2 across the nodes, and TP inside x DP across vs DP over
+all four ranks; each row has predicted, measured (median step), error, and each pair a
+verdict computed from the run. See the section "chapter 14" below for the model's terms.
 """
 
 from __future__ import annotations
@@ -189,14 +200,14 @@ class Plan:
     across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21)    # ranks 0 and 2 (one per node): steps of 256 KiB - 1 MiB
     calibration_repeats: int = 5                         # the median of these (after one warm-up) across;
     inside_repeats: int = 9                              # inside (cheap; a loopback is noisier under load)
-    allreduce_bytes: int = 4 << 20         # (a): 4 MiB of fp32
+    allreduce_bytes: int = 8 << 20         # (a): 8 MiB of fp32
     # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
     seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
                       ("tie_weights", False))
     seq_batch: int = 256
     microbatches: int = 2
-    # (c) TP inside x DP across vs DP over all four: gradients of ~0.9 M parameters, few tokens
-    grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 192),
+    # (c) TP inside x DP across vs DP over all four: gradients of ~1.6 M parameters, few tokens
+    grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 256),
                        ("tie_weights", False))
     grid_batch: int = 8
     experiments: tuple = EXPERIMENTS       # which of (a), (b), (c) to run
