@@ -7,6 +7,17 @@
 ``calibrate`` times ping-pongs (a send, then the answer back; half the round trip is one
 message; the fastest of a few) between rank 0 and a rank of its own node, then a rank of the
 next node, over a few message sizes, and fits t = alpha + beta * bytes with ``labkit.comm.fit_alpha_beta``.
+
+Chapter 14 holds its model to the bed (needs root):
+
+    result = validate()                # one launch, 2 nodes x 2 ranks, 100 Mbit/s between nodes
+    print(result.table()); result.ok(0.25)
+
+``validate`` fits alpha-beta per link class from 2-rank all-reduces in the same launch, then
+times and predicts (with ``labkit.perf.collective_time``) the hierarchical vs the flat
+all-reduce, a 2-stage pipeline vs TP=2 across the nodes, and TP inside x DP across vs DP over
+all four ranks; each row has predicted, measured (median step), error, and each pair a
+verdict computed from the run. See the section "chapter 14" below for the model's terms.
 """
 
 from __future__ import annotations
@@ -92,6 +103,7 @@ def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit",
 import math
 import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 
 from labkit.perf import Link, collective_time  # chapter 14's model: what the bed checks
@@ -183,20 +195,24 @@ class Plan:
     bandwidth: str = "100mbit"
     repeats: int = 5                       # measured steps per layout (after one warm-up), interleaved
     # the fit (chapter 00, from whole all-reduces on 2 ranks: per step, S/2 bytes in t/2 seconds)
-    inside_sizes: tuple = (1 << 16, 1 << 20, 1 << 22)    # all-reduce bytes, ranks 0 and 1 (one node)
+    inside_sizes: tuple = (1 << 10, 1 << 16, 1 << 20, 1 << 22)   # all-reduce bytes, ranks 0 and 1 (one node):
+    #   from one number per token (TP's loss) to the hierarchical reduce-scatter; alpha from the smallest
     across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21)    # ranks 0 and 2 (one per node): steps of 256 KiB - 1 MiB
-    calibration_repeats: int = 5                         # the median of these (after one warm-up)
-    allreduce_bytes: int = 4 << 20         # (a): 4 MiB of fp32
+    calibration_repeats: int = 5                         # the median of these (after one warm-up) across;
+    inside_repeats: int = 9                              # inside (cheap; a loopback is noisier under load)
+    allreduce_bytes: int = 8 << 20         # (a): 8 MiB of fp32
     # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
     seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
                       ("tie_weights", False))
     seq_batch: int = 256
     microbatches: int = 2
-    # (c) TP inside x DP across vs DP over all four: gradients of ~0.9 M parameters, few tokens
-    grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 192),
+    # (c) TP inside x DP across vs DP over all four: gradients of ~1.6 M parameters, few tokens
+    grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 256),
                        ("tie_weights", False))
     grid_batch: int = 8
     experiments: tuple = EXPERIMENTS       # which of (a), (b), (c) to run
+    trace_hierarchical: bool = False       # (a): also trace the bytes the hierarchical all-reduce sends (the
+    #                                        bench row's; CommTracer around its chained futures takes ~20 s here)
 
 
 @dataclass
@@ -261,6 +277,7 @@ def _race(candidates: dict, repeats: int, warmup: int = 1) -> dict[str, list[flo
             dist.barrier()
             start, cpu = time.perf_counter(), time.process_time()
             outside = candidates[name]()
+            _stamp(f"  {name}, round {i}: {time.perf_counter() - start:.3f} s")
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
                 times[name + " cpu"].append(time.process_time() - cpu)
@@ -270,21 +287,23 @@ def _race(candidates: dict, repeats: int, warmup: int = 1) -> dict[str, list[flo
 
 class _Outside:
     """Times a step's compute: its wall-clock seconds outside ``dist.all_reduce`` (every
-    collective the TP and DP steps here make). Compute measured inside the real step, between
-    its waits, is what the step spends: the same code with the collectives removed would run
-    as one long stretch, and a loaded machine's scheduler stretches that (many time slices
-    behind the other runnable processes) where short pieces after a wait run at once."""
+    collective the TP and DP steps here make), and records the bytes of every all-reduce it
+    made (``sizes``, the last step's). Compute measured inside the real step, between its
+    waits, is what the step spends: the same code with the collectives removed would run as
+    one long stretch, and a loaded machine's scheduler stretches that (many time slices behind
+    the other runnable processes) where short pieces after a wait run at once."""
 
     def __init__(self, step):
-        self.step = step
+        self.step, self.sizes = step, []
 
     def __call__(self) -> float:
-        inside, saved = [0.0], dist.all_reduce
+        inside, saved, sizes = [0.0], dist.all_reduce, []
 
-        def timed(*args, **kwargs):
+        def timed(tensor, *args, **kwargs):
+            sizes.append(tensor.numel() * tensor.element_size())
             start = time.perf_counter()
             try:
-                return saved(*args, **kwargs)
+                return saved(tensor, *args, **kwargs)
             finally:
                 inside[0] += time.perf_counter() - start
 
@@ -293,6 +312,7 @@ class _Outside:
             self.step()
         finally:
             dist.all_reduce = saved
+        self.sizes = sorted(sizes)
         return time.perf_counter() - start - inside[0]
 
 
@@ -307,24 +327,18 @@ def _tokens(config, batch: int, seed: int):
     return idx[:, :-1], idx[:, 1:]
 
 
-def _traced_all_reduces(step) -> list[int]:
-    from labkit.comm import CommTracer
-    with CommTracer() as tracer:
-        step()
-    return sorted(e.bytes for e in tracer.events if e.kind == "all_reduce")
-
-
 def _calibrate_all_reduce(groups, plan: Plan) -> dict:
     """On rank 0: {"inside": {message bytes: seconds}, "across": ...} from all-reduces on two ranks
-    of one node (0, 1) and of two nodes (0, 2), the median of ``plan.calibration_repeats``: a
+    of one node (0, 1) and of two nodes (0, 2), the median of the repeats: a
     2-rank ring all-reduce of S bytes is 2 steps of one S/2 message each way (chapter 00)."""
     rank, times = dist.get_rank(), {}
-    for name, members, group, sizes in (("inside", (0, 1), groups.inside, plan.inside_sizes),
-                                        ("across", (0, 2), groups.across, plan.across_sizes)):
+    for name, members, group, sizes, repeats in (
+            ("inside", (0, 1), groups.inside, plan.inside_sizes, plan.inside_repeats),
+            ("across", (0, 2), groups.across, plan.across_sizes, plan.calibration_repeats)):
         times[name] = {}
         for size in sizes:
             buf, samples = torch.zeros(size // 4), []
-            for i in range(plan.calibration_repeats + 1):
+            for i in range(repeats + 1):
                 dist.barrier()
                 if rank in members:
                     start = time.perf_counter()
@@ -335,19 +349,25 @@ def _calibrate_all_reduce(groups, plan: Plan) -> dict:
     return times
 
 
+def _stamp(what: str, t0=time.monotonic()) -> None:
+    """With LABKIT_NETBED_TRACE set, rank 0 says where the launch is (to stderr)."""
+    if os.environ.get("LABKIT_NETBED_TRACE") and dist.get_rank() == 0:
+        sys.stderr.write(f"netbed rank 0: {time.monotonic() - t0:.2f} s: {what}\n")
+
+
 def _validate_rank(plan: Plan) -> dict:
     from labkit.compress import NodeGroups
     torch.set_num_threads(1)
+    _stamp("rank started")
     groups = NodeGroups(2, 2)
+    _stamp("groups made")
     out = {"calibration": _calibrate_all_reduce(groups, plan),  # and the namespaces, to check they go
            "namespaces": (os.readlink("/proc/self/ns/net"), os.readlink(f"/proc/{os.getppid()}/ns/net"))}
-
-    if "allreduce" in plan.experiments:
-        out.update(_run_allreduce(plan, groups))
-    if "pp_vs_tp" in plan.experiments:
-        out.update(_run_pp_vs_tp(plan, groups))
-    if "2d" in plan.experiments:
-        out.update(_run_2d(plan, groups))
+    _stamp("calibrated")
+    for name, run in (("allreduce", _run_allreduce), ("pp_vs_tp", _run_pp_vs_tp), ("2d", _run_2d)):
+        if name in plan.experiments:
+            out.update(run(plan, groups))
+            _stamp(f"{name} done")
     return out
 
 
@@ -358,9 +378,10 @@ def _run_allreduce(plan: Plan, groups) -> dict:
     x = torch.randn(plan.allreduce_bytes // 4)
     out = {"allreduce": _race({"flat": lambda: dist.all_reduce(x.clone()),
                                "hierarchical": lambda: hierarchical_all_reduce(x.clone(), groups)}, plan.repeats)}
-    with CommTracer() as tracer:
-        hierarchical_all_reduce(x.clone(), groups)
-    out["hierarchical_traced_bytes"] = sum(e.bytes for e in tracer.events)
+    if plan.trace_hierarchical:
+        with CommTracer() as tracer:
+            hierarchical_all_reduce(x.clone(), groups)
+        out["hierarchical_traced_bytes"] = sum(e.bytes for e in tracer.events)
     return out
 
 
@@ -391,8 +412,9 @@ def _run_pp_vs_tp(plan: Plan, groups) -> dict:
             traces.append(runner.step(actions, idx, tgt, plan.microbatches, pp.gpt_loss)[1])
 
         steps = {"PP": pp_step, "TP": _Outside(tp_step)}
-        out["tp_traced"] = _traced_all_reduces(tp_step)
     out["pp_vs_tp"] = _race({k: steps.get(k, lambda: None) for k in ("PP", "TP")}, plan.repeats)
+    if active:
+        out["tp_traced"] = steps["TP"].sizes
     # the pipeline's compute per micro-batch: the F and B actions of the measured steps (their
     # waits for a message excluded, as the runner's trace keeps them)
     f = [end - start for t in traces[1:] for a, start, end in t.events if a.kind == "F"]
@@ -424,8 +446,9 @@ def _run_2d(plan: Plan, groups) -> dict:
         dp_model(idx[rank * quarter:(rank + 1) * quarter], tgt[rank * quarter:(rank + 1) * quarter])[1].backward()
         dist.all_reduce(torch.cat([p.grad.reshape(-1) for p in dp_params]))
 
-    out["2d"] = _race({"TPxDP": _Outside(grid_step), "DP": _Outside(dp_step)}, plan.repeats)
-    out["grid_traced"] = _traced_all_reduces(grid_step)
+    grid, flat = _Outside(grid_step), _Outside(dp_step)
+    out["2d"] = _race({"TPxDP": grid, "DP": flat}, plan.repeats)
+    out["grid_traced"] = grid.sizes
     out["grid_param_bytes"] = sum(p.numel() * p.element_size() for p in grid_params)
     out["dp_param_bytes"] = sum(p.numel() * p.element_size() for p in dp_params)
     return out
@@ -477,14 +500,15 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
 
 def _check_traced(what: str, traced: list, expected: list) -> None:
     if traced != sorted(expected):
-        raise RuntimeError(f"{what}: the all-reduces traced in the step (bytes {traced}) are not the "
+        raise RuntimeError(f"{what}: the all-reduces the step made (bytes {traced}) are not the "
                            f"model's (bytes {sorted(expected)}): the prediction would count the wrong messages")
 
 
 def _analyse_allreduce(plan, results, links, details):
     samples = _slowest(results, "allreduce")
     predicted = predict_all_reduce(plan.allreduce_bytes, links)
-    details["hierarchical_traced_bytes"] = results[0]["hierarchical_traced_bytes"]
+    if "hierarchical_traced_bytes" in results[0]:
+        details["hierarchical_traced_bytes"] = results[0]["hierarchical_traced_bytes"]
     mib = plan.allreduce_bytes / 2**20
     flat = _row("allreduce", f"flat ring {mib:g} MiB (dist.all_reduce)",
                 {"total": predicted["flat"], "comm": predicted["flat"], "compute": 0.0}, samples["flat"])

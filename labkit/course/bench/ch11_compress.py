@@ -113,7 +113,7 @@ def hierarchical_emulated_row(repeats: int = 5, world_size: int = 4):
     why = netbed.unavailable()
     if why:
         return f"hierarchical_emulated: skipped: {why}"
-    plan = netbed.Plan(repeats=repeats, experiments=("allreduce",))
+    plan = netbed.Plan(repeats=repeats, experiments=("allreduce",), trace_hierarchical=True)
     v = netbed.validate(plan)  # one launch: alpha-beta per link class fitted, then both all-reduces timed
     flat, hier = v.rows
     shard = -(-plan.allreduce_bytes // 4 // 2) * 4  # the traced buffers: reduce-scatter in, all-reduce, all-gather out
