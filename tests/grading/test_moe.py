@@ -841,10 +841,65 @@ def fused(sw1, sw2):
     return sw1.permute(1, 0, 2).reshape(sw1.shape[1], -1), sw2.reshape(-1, sw2.shape[2])
 
 
+def overlap_function_on_rank(groups) -> None:
+    """``AllToAllOverlap`` on its own: the rows exactly as ``AllToAll`` moves them (uneven splits, a
+    non-contiguous input and a non-contiguous gradient), a side computation side(u, v, u) = u @ v + u
+    whose first and third inputs are the same tensor (each must get the gradient of its own use)
+    and whose second is frozen (None), its matmuls while the all-to-all is in flight both ways."""
+    from labkit.moe import AllToAllOverlap
+    rank = dist.get_rank()
+    for group_name, members, group in groups:
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for salt, (dtype, (pattern, rows_to)) in enumerate(zip(DTYPES, list(PATTERNS.items()) * 2)):
+            send = [rows_to(me, d, m) for d in range(m)]
+            recv = [rows_to(s, me, m) for s in range(m)]
+            what = (f"moe.shared_overlap: AllToAllOverlap on rank {rank}, {group_name}, {NAMES[dtype]}, {pattern}: "
+                    f"sends {send}, receives {recv}")
+            base = torch.cat([torch.full((send[d], 2 * D_HIDDEN), 100.0 * me + d) for d in range(m)])
+            base += torch.arange(2 * D_HIDDEN)
+            x = base.to(dtype)[:, ::2].requires_grad_(True)  # non-contiguous
+            gen = torch.Generator().manual_seed(900 + 10 * rank + salt)
+            u = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype).requires_grad_(True)
+            v = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype)
+            c = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype)
+            scale = torch.cat([torch.arange(1, sum(recv) + 1, dtype=dtype).unsqueeze(1).expand(-1, D_HIDDEN),
+                               torch.zeros(sum(recv), D_HIDDEN, dtype=dtype)], dim=1)
+            with SharedTracer(members, what, (S_FFN,)) as tracer:
+                out, side = AllToAllOverlap.apply(x, recv, send, group, lambda a, b, d: a @ b + d, u, v, u)
+                wide = torch.cat([out, torch.zeros_like(out)], dim=1)  # backward hands out a strided gradient
+                ((wide * scale).sum() + (side * c).sum()).backward()
+            want = torch.cat([torch.full((recv[s], 2 * D_HIDDEN), 100.0 * s + me) for s in range(m)])
+            want = (want + torch.arange(2 * D_HIDDEN))[:, ::2].to(dtype)
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype, f"{what}: rows must be {dtype}"
+            assert_close(out, want, what + ": the blocks received, in group-rank order", rtol=0, atol=0)
+            grad = torch.cat([torch.arange(1, send[d] + 1, dtype=torch.float64) + sum(rows_to(s, d, m) for s in range(me))
+                              for d in range(m)]).unsqueeze(1).expand(-1, D_HIDDEN).to(dtype)
+            assert_close(x.grad, grad, what + ": backward sends each row's gradient back to its sender", rtol=0, atol=0)
+            u64, v64, c64 = u.detach().double(), v.double(), c.double()
+            near(side, (u64 @ v64 + u64).to(dtype), what + ": side output side(u, v, u) = u @ v + u")
+            near(u.grad, (c64 @ v64.t() + c64).to(dtype),
+                 what + ": gradient of u, used twice (c v^T through the matmul + c through the sum)")
+            assert v.grad is None, f"{what}: v does not require grad: it must get none"
+            size = D_HIDDEN * x.element_size()
+            assert_sequence(tracer, 2 * [Op("all_to_all", max(sum(send), sum(recv)) * size, members)],
+                            what + f" (one all-to-all forward, one back, in group {members}, "
+                                   f"max(rows sent, received) x H x {x.element_size()} B; the side sends nothing)")
+            assert [e.in_backward for e in tracer.events] == [False, True], \
+                f"{what}: the second all-to-all must run in backward"
+            shared_only = SimpleNamespace(events=tracer.events, timeline=[
+                s for s in tracer.timeline if s.what != "compute" or s.op.startswith("shared:")])
+            for index, name in enumerate(("forward", "backward (reverse)")):
+                assert_overlap(shared_only, f"{what}: the {name} all-to-all must be in flight while the side's "
+                                            f"matmuls run", events=[index])
+
+
 def shared_overlap_on_rank() -> None:
     from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
     rank = dist.get_rank()
     groups = groups_of_world()
+    overlap_function_on_rank(groups)
     with CommTracer() as tracer:  # bad input: a clear error before any communication
         for kwargs in (dict(num_shared=0), dict(num_shared=-1), dict(shared_ffn=0)):
             with pytest.raises(ValueError):

@@ -197,6 +197,13 @@ MUTANTS += [
     Mutant("moe.shared_overlap", "backward_on_world", "the backward all-to-all forgets the group: right only on the world",
            find="                                      group=ctx.group, async_op=True)",
            replace="                                      group=None, async_op=True)"),
+    Mutant("moe.shared_overlap", "side_not_detached", "runs the side on the original inputs: an input passed twice "
+           "is one tensor in torch.autograd.grad's list, and each use gets the gradient of both",
+           find="ctx.side_inputs = [t.detach().requires_grad_(t.requires_grad) for t in side_inputs]",
+           replace="ctx.side_inputs = [t.requires_grad_(t.requires_grad) for t in side_inputs]"),
+    Mutant("moe.shared_overlap", "grad_not_contiguous", "sends the incoming gradient as it is: a strided gradient "
+           "goes out as its underlying storage",
+           find="grad_x, grad_out.contiguous(), input_splits", replace="grad_x, grad_out, input_splits"),
     Mutant("moe.shared_overlap", "all_shared_in_dispatch", "runs the whole shared MLP behind the dispatch and a plain "
            "all-to-all for the combine: the combine (and its reverse) hides nothing",
            find="        back, shared = AllToAllOverlap.apply(results, send_splits, recv_splits, self.group,\n"
@@ -214,4 +221,8 @@ EQUIVALENT = {
     "moe.layer/bool/7319cc33": "argsort(local_expert, stable=False): the regrouping by local expert is undone by "
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
+    "moe.shared_overlap/bool/b3f07d80": "argsort(expert_of, stable=False) in SharedExpertMoE.forward: as "
+                                        "moe.layer/bool/c3eb7bf4, combine un-permutes with the same `order`",
+    "moe.shared_overlap/bool/03c19e9f": "argsort(local_expert, stable=False) in SharedExpertMoE.forward: as "
+                                        "moe.layer/bool/7319cc33, undone by index_copy with the same `by_expert`",
 }
