@@ -73,6 +73,27 @@ skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens, ag
 loop: step s's experts chosen with the bias of steps 1 ... s-1, then the bias updated with
 the group's choices.
 
+moe.shared_overlap: shared experts (DeepSeekMoE) computed while the all-to-alls are in flight.
+``AllToAllOverlap`` on its own, on the world and the subgroups, in the four dtypes, with uneven
+splits (a rank that sends or receives nothing): the rows exact, a non-contiguous input and a
+non-contiguous incoming gradient, a side side(u, v, u) = u @ v + u (u passed twice: each use
+gets its own gradient; v frozen: no gradient), the trace one all-to-all each way in the group.
+``SharedExpertMoE`` with 1 and 2 shared experts of width F_s = 10 (a width no other tensor has)
+at k = 1, 2, 3, dropless, dropping and uneven, in float64 and float32 on every group (N = 3: the
+pair {0, 1}, rank 2 a bystander; N = 4: the pairs) and bfloat16 and float16 on the world, against
+one process (``reference_moe`` plus each shared expert's MLP, one by one): output, aux, z-loss,
+input gradient, this rank's routed experts' gradients, the gate's and the shared experts'
+gradients summed over the group; the trace exactly ``moe.layer``'s (counts, dispatch, combine,
+both reversed in backward; the shared experts send nothing). Overlap, from the timeline (event
+order, not time; a matmul is the shared experts' when one of its tensors has dimension F_s or
+S F_s and none the routed width F): each of the four row all-to-alls has shared-expert matmuls
+between its post and its wait, and no shared-expert matmul runs while none is in flight (so
+waiting at once, computing the shared experts before posting, recomputing them outside, or a
+plain combine all fail). Three steps of AdamW (2 shared experts of the default width) and of
+momentum SGD with the gate and the shared experts frozen, on the world and the last subgroup,
+against the reference's. Bad input (no shared expert, width 0) raises ValueError before any
+communication.
+
 Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
 code and the reference (matmuls over other batches, gradients summed over ranks), the
 absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
