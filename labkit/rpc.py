@@ -541,12 +541,12 @@ class RequestBatcher:
 
     def submit(self, key, x: torch.Tensor) -> torch.futures.Future:
         """A future of ``fn``'s rows for ``x``; runs ``fn`` if this request fills the batch."""
-        future = torch.futures.Future()
+        reply = torch.futures.Future()
         with self.lock:
-            self.pending.append((key, x, future))
+            self.pending.append((key, x, reply))
             answers = self._serve() if len(self.pending) >= self.batch_size else []
         self._answer(answers)
-        return future
+        return reply
 
     def flush(self) -> int:
         """Serve every pending request now, in one call of ``fn``; returns how many there were."""
