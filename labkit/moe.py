@@ -30,8 +30,10 @@ Tasks (run ``labkit grade moe``; tests in ``tests/grading/test_moe.py``):
     moe.layer     ExpertParallelMoE.forward (dispatch, experts, combine)
     moe.ep_dp     ep_dp_grid, average_ep_dp_gradients (EP x DP on the chapter-08 rank grid)
     moe.bias_balance  route(..., bias=...), BiasBalancer (auxiliary-loss-free balancing)
+    moe.shared_overlap  AllToAllOverlap, SharedExpertMoE.forward (shared experts computed while
+                  the dispatch and combine all-to-alls are in flight)
 Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0, ep x dp not
-the world) raises ValueError before any communication.
+the world, no shared expert) raises ValueError before any communication.
 
 EP x DP. With N = ep x dp ranks the experts are split over the ep ranks of an EP group and
 each split is replicated over the dp ranks of a DP group; every rank reads its own slice of
@@ -314,6 +316,132 @@ def reference_moe(x: torch.Tensor, gate, w1, w2, k: int, capacity_factor: float 
         token, slot = torch.nonzero((experts == e) & keep, as_tuple=True)
         y = y.index_add(0, token, expert_mlp(tokens[token], w1[e], w2[e]) * weights[token, slot].unsqueeze(1))
     return y.reshape(x.shape), load_balancing_loss(probs, experts, num_experts), router_z_loss(logits)
+
+
+# ----------------------------------------------------------------------------- shared experts, overlapped
+
+def init_shared_experts(num_shared: int, hidden: int, ffn: int, seed: int, dtype=torch.float32):
+    """The S shared experts' weights (w1 [S, H, F], w2 [S, F, H]) from a seed, in the layout of
+    ``init_experts`` (their own random stream: not the routed experts')."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    w1 = torch.randn(num_shared, hidden, ffn, generator=gen, dtype=torch.float64) / math.sqrt(hidden)
+    w2 = torch.randn(num_shared, ffn, hidden, generator=gen, dtype=torch.float64) / math.sqrt(ffn)
+    return w1.to(dtype), w2.to(dtype)
+
+
+def shared_fc1(x: torch.Tensor, w1: torch.Tensor) -> torch.Tensor:
+    """The shared experts' first layer and activation: gelu(x [T, H] @ w1 [H, S F])."""
+    return F.gelu(x @ w1)
+
+
+def shared_fc2(hidden: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The shared experts' second layer: hidden [T, S F] @ w2 [S F, H]."""
+    return hidden @ w2
+
+
+class AllToAllOverlap(torch.autograd.Function):
+    """``AllToAll`` (moe.dispatch) with an independent side computation hidden behind it, both ways.
+
+    ``AllToAllOverlap.apply(x, output_splits, input_splits, group, side_fn, *side_inputs)`` returns
+    (the rows received, ``side_fn(*side_inputs)``). ``side_fn`` must not need the all-to-all's
+    result (the shared experts need only the tokens). Forward: post the all-to-all
+    (``async_op=True``), run ``side_fn`` while it is in flight, then ``wait()``. Backward, given
+    (grad of the rows, grad of the side output): post the reverse all-to-all (split lists
+    swapped) the same way, compute the side's backward (the gradients of its inputs, by
+    ``torch.autograd.grad`` through the graph its forward recorded) while that is in flight,
+    then wait. Side inputs that require grad get their gradient, the others None."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, side_fn, *side_inputs):
+        # BEGIN SOLUTION moe.shared_overlap: post all_to_all_single(async_op=True); under torch.enable_grad() run side_fn on detached copies of the inputs (requires_grad as the originals); work.wait(); return (rows, side output detached)
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)
+        ctx.side_inputs = [t.detach().requires_grad_(t.requires_grad) for t in side_inputs]
+        with torch.enable_grad():  # a Function's forward runs without grad: record the side's graph
+            ctx.side_output = side_fn(*ctx.side_inputs)
+        work.wait()
+        return out, ctx.side_output.detach()
+        # END SOLUTION
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_side):
+        # BEGIN SOLUTION moe.shared_overlap: post the reverse all-to-all (splits swapped, async_op=True); torch.autograd.grad of the side output for its inputs that require grad; work.wait(); None for the rest
+        output_splits, input_splits = ctx.splits
+        grad_x = grad_out.new_empty((sum(input_splits),) + tuple(grad_out.shape[1:]))
+        work = dist.all_to_all_single(grad_x, grad_out.contiguous(), input_splits, output_splits,
+                                      group=ctx.group, async_op=True)
+        wanted = [t for t in ctx.side_inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(ctx.side_output, wanted, grad_side) if wanted else ())
+        work.wait()
+        return (grad_x, None, None, None, None) + tuple(next(grads) if t.requires_grad else None
+                                                        for t in ctx.side_inputs)
+        # END SOLUTION
+
+
+class SharedExpertMoE(ExpertParallelMoE):
+    """``ExpertParallelMoE`` plus S shared experts that every token goes through (DeepSeekMoE, Dai
+    et al., 2024, arXiv:2401.06066; DeepSeek-V3 has one): y = sum_s shared_s(x) + the routed
+    experts' gate-weighted sum. The shared experts are dense, replicated on every rank of the
+    group like the gate: each rank runs them on its own tokens, and their gradient on a rank is
+    its tokens' share (summed over the group, one process's gradient).
+
+    The S shared experts of width F_s are one MLP of width S F_s (gelu acts elementwise):
+    ``shared_w1`` [H, S F_s] holds expert s in columns s F_s ... (s+1) F_s - 1, ``shared_w2``
+    [S F_s, H] in the same rows, from ``init_shared_experts(num_shared, hidden, shared_ffn, seed)``.
+
+    The overlap: the shared experts need no all-to-all, so their FLOPs can hide one. ``forward``
+    runs ``ExpertParallelMoE.forward``'s pipeline with the dispatch through ``AllToAllOverlap``
+    (side: ``shared_fc1`` of the tokens) and the combine through ``AllToAllOverlap`` (side:
+    ``shared_fc2`` of that), so the first half of the shared experts runs while the dispatch is
+    in flight and the second half while the combine is; in backward, fc2's backward while the
+    combine's reverse all-to-all is in flight, fc1's while the dispatch's is. The traffic is
+    ``ExpertParallelMoE``'s: nothing more is sent."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2,
+                 capacity_factor: float | None = None, group=None, seed: int = 0, dtype=torch.float32,
+                 num_shared: int = 1, shared_ffn: int | None = None):
+        shared_ffn = ffn if shared_ffn is None else shared_ffn
+        if num_shared < 1 or shared_ffn < 1:
+            raise ValueError(f"moe: need at least one shared expert of width >= 1, got {num_shared} of width {shared_ffn}")
+        super().__init__(hidden, ffn, num_experts, k, capacity_factor, group, seed, dtype)
+        w1, w2 = init_shared_experts(num_shared, hidden, shared_ffn, seed, dtype)
+        self.shared_w1 = nn.Parameter(w1.permute(1, 0, 2).reshape(hidden, num_shared * shared_ffn).clone())
+        self.shared_w2 = nn.Parameter(w2.reshape(num_shared * shared_ffn, hidden).clone())
+
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts, weights, probs, logits = route(tokens, self.gate, self.k)
+        aux = load_balancing_loss(probs, experts, self.num_experts)
+        self.z_loss = router_z_loss(logits)
+        capacity = expert_capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
+        keep = keep_mask(experts, self.num_experts, capacity)
+        # BEGIN SOLUTION moe.shared_overlap: ExpertParallelMoE.forward's pipeline; dispatch = AllToAllOverlap(..., shared_fc1, tokens, shared_w1), combine = AllToAllOverlap(..., shared_fc2, its output, shared_w2); y = shared output + the weighted sum
+        token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]
+        expert_of, weight_of = experts[keep], weights[keep]
+        order = torch.argsort(expert_of, stable=True)
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        received = exchange_counts(counts, self.group)
+        send_splits = counts.view(-1, self.local).sum(dim=1).tolist()
+        recv_splits = received.sum(dim=1).tolist()
+        rows, hidden = AllToAllOverlap.apply(tokens[token_of[order]], recv_splits, send_splits, self.group,
+                                             shared_fc1, tokens, self.shared_w1)
+        local_expert = torch.repeat_interleave(
+            torch.arange(self.local).repeat(received.shape[0]), received.reshape(-1))
+        by_expert = torch.argsort(local_expert, stable=True)
+        per_expert = received.sum(dim=0).tolist()
+        outputs = [expert_mlp(block, self.w1[e], self.w2[e])
+                   for e, block in enumerate(rows[by_expert].split(per_expert))]
+        computed = torch.cat(outputs)
+        results = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        back, shared = AllToAllOverlap.apply(results, send_splits, recv_splits, self.group,
+                                             shared_fc2, hidden, self.shared_w2)
+        unsorted = torch.empty_like(back).index_copy(0, order, back)
+        y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))
+        self.routed_rows = (sum(send_splits), sum(recv_splits))
+        # END SOLUTION
+        return y.reshape(shape), aux
 
 
 # ----------------------------------------------------------------------------- EP x DP

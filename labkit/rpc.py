@@ -37,6 +37,9 @@ Tasks (run ``labkit grade rpc``; tests in ``tests/grading/test_rpc.py``):
     rpc.pipeline       Stage.forward and RpcPipeline.forward: stages on their workers (two or
                        more), micro-batches in flight at once through futures, one at a time
                        in each stage
+
+Given, not graded: ``RequestBatcher``, batched inference behind RPC (many callers, one forward
+for all of them), which lab 13's actor-learner section runs.
 """
 
 from __future__ import annotations
@@ -499,6 +502,89 @@ def train_batching(server: torch_rpc.RRef, trainer: int, model: nn.Module, loss_
             p.copy_(value)
     return versions
     # END SOLUTION
+
+
+# ----------------------------------------------------------------------------- batched inference (given)
+#
+# The other half of PyTorch's tutorial "Implementing Batch RPC Processing Using Asynchronous
+# Executions" (pytorch.org/tutorials/intermediate/rpc_async_execution.html): many actors
+# (the tutorial's observers) each step an environment and ask one agent for actions by RPC.
+# Answered one by one, the agent runs one policy forward per request; a batcher holds each
+# request in a future (@async_execution: no agent thread waits) until ``batch_size`` of them are
+# in, runs ONE forward on all their rows, and answers each caller with its own rows. The
+# batch's rows are in the callers' key order, not arrival order, so a run does not depend on
+# which request the network delivered first.
+
+
+class RequestBatcher:
+    """Batched inference behind RPC: ``fn`` (a tensor of rows -> a tensor with one row of
+    output per row of input, e.g. a policy's forward) runs once per ``batch_size`` requests.
+
+    ``submit(key, x)`` (on the owner) or ``RequestBatcher.request(rref, key, x)`` (by RPC from
+    a caller, e.g. ``rpc_sync(owner, RequestBatcher.request, rref, actor, x)``) hands in ``x``,
+    rows first, and returns a future of ``fn``'s rows for it. When ``batch_size`` requests are
+    pending, they are concatenated in the order of their ``key`` (the caller's id: ties keep
+    arrival order), ``fn`` runs once, and every future completes with its slice; if ``fn``
+    raises, every one of them fails with the error. ``flush()`` serves what is pending now (a
+    last, smaller batch). ``served`` holds the requests per call of ``fn`` and ``rows`` its rows.
+    Callers that stop sending before a batch fills leave the others waiting: size ``batch_size``
+    to the callers that will come (or call ``flush``)."""
+
+    def __init__(self, fn, batch_size: int):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.fn, self.batch_size = fn, batch_size
+        self.pending: list[tuple] = []           # (key, x, future), in arrival order
+        self.served: list[int] = []              # requests answered by each call of fn
+        self.rows: list[int] = []                # rows of each call of fn
+        self.lock = threading.Lock()
+
+    def submit(self, key, x: torch.Tensor) -> torch.futures.Future:
+        """A future of ``fn``'s rows for ``x``; runs ``fn`` if this request fills the batch."""
+        reply = torch.futures.Future()
+        with self.lock:
+            self.pending.append((key, x, reply))
+            answers = self._serve() if len(self.pending) >= self.batch_size else []
+        self._answer(answers)
+        return reply
+
+    def flush(self) -> int:
+        """Serve every pending request now, in one call of ``fn``; returns how many there were."""
+        with self.lock:
+            count = len(self.pending)
+            answers = self._serve() if count else []
+        self._answer(answers)
+        return count
+
+    def _serve(self) -> list[tuple]:
+        # Under self.lock, so fn runs one batch at a time; the futures are completed by
+        # _answer after the lock is released (a future's callbacks may submit again).
+        batch, self.pending = sorted(self.pending, key=lambda item: item[0]), []
+        sizes = [len(x) for _, x, _ in batch]
+        try:
+            out = self.fn(torch.cat([x for _, x, _ in batch]))
+            if len(out) != sum(sizes):
+                raise ValueError(f"RequestBatcher: fn returned {len(out)} rows for {sum(sizes)} rows of input")
+        except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
+            return [(future, error) for _, _, future in batch]
+        self.served.append(len(batch))
+        self.rows.append(sum(sizes))
+        return [(future, part) for (_, _, future), part in zip(batch, out.split(sizes))]
+
+    @staticmethod
+    def _answer(answers: list[tuple]) -> None:
+        for future, value in answers:
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+    @staticmethod
+    @torch_rpc.functions.async_execution
+    def request(batcher: torch_rpc.RRef, key, x: torch.Tensor) -> torch.futures.Future:
+        """By RPC from a caller: ``submit(key, x)`` on the batcher's owner; the reply leaves when
+        the batch it joined has been served."""
+        return batcher.local_value().submit(key, x)
 
 
 # ----------------------------------------------------------------------------- rpc.pipeline

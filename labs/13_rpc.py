@@ -19,7 +19,13 @@ worker0 is the server (and the pipeline's driver), workers 1..n-1 the trainers; 
 * chapter 01's collective parameter server (``labkit.dp``) on the same data in the same job:
   the same parameters as the synchronous RPC server;
 * (3 or more workers, not under torchrun) a trainer that dies mid-step: the launch names it and
-  the server raised ``TrainerLost`` naming it.
+  the server raised ``TrainerLost`` naming it;
+* actor-learner (given code, no task): workers 1..n-1 are actors, each stepping 4 copies of a
+  seeded corridor and asking worker0's policy for action probabilities by RPC; worker0 runs the
+  episodes (rpc_async to every actor), answers through ``labkit.rpc.RequestBatcher`` and
+  updates the policy by REINFORCE. Batched, every policy forward serves all n-1 actors
+  (HORIZON x EPISODES forwards); one by one, a forward per request, n-1 times as many; the two
+  runs take the same actions and end with the same policy; the return improves over episodes.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
@@ -47,6 +53,7 @@ from labkit.launch import WorkerError, launch, release_process_groups, under_tor
 H_IN, H_HID, H_OUT, BATCH, STEPS, LR = 4, 6, 2, 12, 5, 0.1
 STALENESS, MICRO, PIPE_STEPS = 1, 3, 3
 STAGE_WORK = 0.1  # seconds each stage "computes" per micro-batch in the first pipeline step (a sleep)
+CELLS, START, SLIP, HORIZON, ENVS, EPISODES, POLICY_LR = 5, 1, 0.1, 8, 4, 15, 0.1  # the actor-learner section
 TASKS = ("rpc.remote_ps", "rpc.batching_ps", "rpc.pipeline")
 
 
@@ -351,6 +358,103 @@ def check_dying_trainer(args) -> bool:
     return False
 
 
+# ----------------------------------------------------------------------------- actor-learner
+#
+# PyTorch's RPC tutorial's agent and observers ("Implementing Batch RPC Processing Using
+# Asynchronous Executions"), on a corridor: cells 0..CELLS-1, start in cell START, move left or
+# right (a slip, probability SLIP, reverses the move; the walls stop it), reward = the cell
+# reached / (CELLS - 1) after each of HORIZON steps. Always moving right is the best policy.
+
+
+def policy_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Linear(CELLS, 2).double()  # one-hot cell -> logits of (left, right)
+
+
+def one_hot(cells: torch.Tensor) -> torch.Tensor:
+    return nn.functional.one_hot(cells, CELLS).double()
+
+
+def run_episode(batcher, actor: int, episode: int):
+    """On an actor: ENVS corridors for HORIZON steps, one request per step for all ENVS rows;
+    the actor draws its actions (and the slips) from its own seeded generator, so the run does
+    not depend on the order in which requests reach the agent. Returns (states, actions, rewards),
+    each ENVS x HORIZON."""
+    from labkit import rpc as R
+    gen = torch.Generator().manual_seed(10_000 * actor + episode)
+    cells = torch.full((ENVS,), START)
+    states, actions, rewards = [], [], []
+    for _ in range(HORIZON):
+        probs = R.rpc_sync(batcher.owner(), R.RequestBatcher.request, batcher, actor, cells)
+        u, slip = torch.rand(2, ENVS, generator=gen, dtype=torch.float64)
+        action = (u >= probs[:, 0]).long()  # 0 left, 1 right
+        states.append(cells)
+        actions.append(action)
+        cells = (cells + (2 * action - 1) * torch.where(slip < SLIP, -1, 1)).clamp(0, CELLS - 1)
+        rewards.append(cells.double() / (CELLS - 1))
+    return torch.stack(states, 1), torch.stack(actions, 1), torch.stack(rewards, 1)
+
+
+def reinforce_step(policy, optimizer, states, actions, rewards) -> None:
+    returns = rewards.flip(1).cumsum(1).flip(1)  # reward-to-go of every step
+    advantage = (returns - returns.mean()) / (returns.std() + 1e-9)
+    logp = torch.log_softmax(policy(one_hot(states)), -1).gather(-1, actions[..., None])[..., 0]
+    optimizer.zero_grad()
+    (-(logp * advantage).mean()).backward()
+    optimizer.step()
+
+
+def train_actors(actors: list[int], batch_size: int, name: str) -> dict:
+    """On worker0, the agent and the one controller: per episode, run_episode on every actor at
+    once (rpc_async), answer their requests through a RequestBatcher of ``batch_size``, then one
+    REINFORCE step on all the trajectories (in actor order)."""
+    from labkit import rpc as R
+    policy = policy_net()
+    optimizer = torch.optim.Adam(policy.parameters(), lr=POLICY_LR)
+
+    def act(cells):  # ONE forward for every row of the batch
+        with torch.no_grad():
+            return torch.softmax(policy(one_hot(cells)), -1)
+
+    batcher = R.RequestBatcher(act, batch_size)
+    handle = R.serve(batcher, name)
+    returns = []
+    for episode in range(EPISODES):
+        futures = [R.rpc_async(f"worker{a}", run_episode, handle, a, episode) for a in actors]
+        states, actions, rewards = (torch.cat(part) for part in zip(*torch.futures.wait_all(futures)))
+        reinforce_step(policy, optimizer, states, actions, rewards)
+        returns.append(rewards.sum(1).mean().item())
+    return dict(returns=returns, served=list(batcher.served), rows=list(batcher.rows),
+                params=[p.detach().clone() for p in policy.parameters()])
+
+
+def expected_return(p_right: float) -> float:
+    """The exact expected return of a policy that moves right with probability p_right."""
+    where = torch.zeros(CELLS, dtype=torch.float64)
+    where[START], total = 1.0, 0.0
+    q = p_right * (1 - SLIP) + (1 - p_right) * SLIP  # the move goes right
+    for _ in range(HORIZON):
+        moved = torch.zeros_like(where)
+        for cell in range(CELLS):
+            moved[min(cell + 1, CELLS - 1)] += q * where[cell]
+            moved[max(cell - 1, 0)] += (1 - q) * where[cell]
+        where = moved
+        total += float((where * torch.arange(CELLS) / (CELLS - 1)).sum())
+    return total
+
+
+def check_actor_learner() -> dict:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    dist.barrier()
+    if rank == 0:
+        actors = trainers_of(n)
+        out = dict(batched=train_actors(actors, len(actors), "agent_batched"),
+                   one_by_one=train_actors(actors, 1, "agent_one_by_one"))
+    dist.barrier()
+    return out
+
+
 # ----------------------------------------------------------------------------- the job
 
 
@@ -358,7 +462,7 @@ def main() -> dict:
     warnings.filterwarnings("ignore", category=FutureWarning)
     import labkit.rpc  # noqa: F401 - importing it also drops torch's TorchScript-optimizer notice
     torch.set_num_threads(1)
-    publish(TimedStage)
+    publish(TimedStage, run_episode)
     rank, n = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(trainers_of(n))  # the trainers' turns (every rank creates it)
     result = dict(world=n)
@@ -367,6 +471,7 @@ def main() -> dict:
         result["sync"] = check_batching(0)
         result["async"] = check_batching(STALENESS)
         result["pipeline"] = check_pipeline()
+        result["actor_learner"] = check_actor_learner()
     except RuntimeError as error:  # a stub on another worker: say which task
         missing = stub_message(error)
         if missing is None:
@@ -413,6 +518,16 @@ def report(results: list[dict]) -> bool:
     for (stage, micro), (start, end) in sorted(spans.items()):
         print(f"  stage {stage} micro-batch {micro}: {1e3 * (start - t0):7.1f} .. {1e3 * (end - t0):7.1f}")
     print("  loss pipeline/one process: " + "  ".join(f"{a:.6f}/{b:.6f}" for a, b in pipe["losses"]))
+    al, actors = server["actor_learner"], len(trainers)
+    batched, one = al["batched"], al["one_by_one"]
+    first, last = sum(batched["returns"][:5]) / 5, sum(batched["returns"][-5:]) / 5
+    best, coin = expected_return(1.0), expected_return(0.5)
+    print(f"actor-learner, {actors} actor(s) x {ENVS} corridors, {EPISODES} episodes of {HORIZON} steps: "
+          f"policy forwards batched {len(batched['served'])} (requests per forward {sorted(set(batched['served']))}, "
+          f"rows {sorted(set(batched['rows']))}), one by one {len(one['served'])} "
+          f"(requests per forward {sorted(set(one['served']))})")
+    print("  mean return per episode: " + " ".join(f"{r:.2f}" for r in batched["returns"])
+          + f"; first 5 {first:.2f}, last 5 {last:.2f}; always right {best:.2f}, a coin flip {coin:.2f} (exact)")
     driver_want, stage2_want = expected_pipeline_traces(pipe["rows"], f"worker{n - 2}", f"worker{n - 1}")
     overlap = all(spans[(1, i + 1)][0] < spans[(2, i)][1] for i in range(MICRO - 1))
     checks = {
@@ -440,6 +555,15 @@ def report(results: list[dict]) -> bool:
         "RPC pipeline: per micro-batch a remote to stage 1, an rpc_async to stage 2, one fetch by stage 2": (
             Counter(pipe["driver_trace"]) == driver_want and Counter(results[n - 1]["pipeline"]["stage2_trace"]) == stage2_want),
         "chapter 01's collective PS = the synchronous RPC server": "missing" not in dp and dp["same"],
+        f"actor-learner: batched, each of the {HORIZON * EPISODES} policy forwards served all {actors} actor(s)": (
+            batched["served"] == [actors] * HORIZON * EPISODES and batched["rows"] == [actors * ENVS] * HORIZON * EPISODES),
+        f"actor-learner: one by one, {actors} x {HORIZON * EPISODES} forwards of one request each": (
+            one["served"] == [1] * actors * HORIZON * EPISODES),
+        "actor-learner: batched and one by one take the same actions and end with the same policy": (
+            batched["returns"] == one["returns"]
+            and all(torch.equal(a, b) for a, b in zip(batched["params"], one["params"]))),
+        "actor-learner: REINFORCE improves the return (last 5 episodes > first 5, nearer always-right than a coin flip)": (
+            last > first and abs(best - last) < abs(last - coin)),
     }
     return report_checks(checks)
 

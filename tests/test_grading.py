@@ -122,6 +122,17 @@ def test_labkit_grade_refuses_bad_input_at_once_with_exit_2(args, says):
     assert "Traceback" not in proc.stderr and "tests:" not in proc.stdout, proc.stdout   # nothing ran
 
 
+def test_labkit_tasks_lists_the_named_chapters_and_tasks_only(capsys):
+    from labkit.course import cli
+    assert cli.main(["--root", str(ROOT), "tasks", "memory", "moe.router"]) == 0
+    listed = {line.split()[1] for line in capsys.readouterr().out.splitlines() if line[:2].isdigit()}
+    wanted = {t for t in grading.known_tasks(ROOT) if t.startswith("recompute.")} | {"moe.router"}
+    assert listed == wanted, listed ^ wanted
+    proc = run_cli("tasks", "memry")
+    assert proc.returncode == 2 and "did you mean memory?" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stdout + proc.stderr
+
+
 def test_the_score_table_is_printed_even_when_results_json_cannot_be_written(tmp_path, monkeypatch, capsys):
     from labkit.course import cli
     folder = tmp_path / "out"

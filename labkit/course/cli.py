@@ -103,10 +103,15 @@ def cmd_tasks(args, root: Path) -> int:
     infos = catalog.tasks(root)
     if not infos:
         raise RuntimeError(f"no exercises found in {root / 'labkit'}")
+    if args.selection:  # `labkit tasks moe`, `labkit tasks memory moe.router`: checked like grade's
+        grading.resolve_selection(args.selection, root)   # exit 2 with a did-you-mean on a bad name
+        whole = {grading.chapter_module(name) for name in args.selection} - {None}
+        infos = [t for t in infos if t.task in args.selection or t.task.split(".")[0] in whole]
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
     print(catalog.format_tasks(infos))
     print("points: a task earns them only when all of its tests pass, at every world size")
-    hidden = {t: p for t, p in catalog.static_points(root, visible=False).items() if p}
+    listed = {t.task for t in infos}
+    hidden = {t: p for t, p in catalog.static_points(root, visible=False).items() if p and t in listed}
     total = sum(t.points or 0 for t in infos)
     if hidden:
         print(f"total {total:g} points, of which {sum(hidden.values()):g} from hidden tests "
@@ -193,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     cov.set_defaults(run=cmd_coverage)
 
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
+    tasks.add_argument("selection", nargs="*", metavar="chapter|task",
+                       help="only these chapters (10, moe, memory) or task ids; default: all")
     tasks.set_defaults(run=cmd_tasks)
 
     ws = sub.add_parser("workspace", help="write a learner workspace with every solution stubbed")

@@ -73,6 +73,27 @@ skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens, ag
 loop: step s's experts chosen with the bias of steps 1 ... s-1, then the bias updated with
 the group's choices.
 
+moe.shared_overlap: shared experts (DeepSeekMoE) computed while the all-to-alls are in flight.
+``AllToAllOverlap`` on its own, on the world and the subgroups, in the four dtypes, with uneven
+splits (a rank that sends or receives nothing): the rows exact, a non-contiguous input and a
+non-contiguous incoming gradient, a side side(u, v, u) = u @ v + u (u passed twice: each use
+gets its own gradient; v frozen: no gradient), the trace one all-to-all each way in the group.
+``SharedExpertMoE`` with 1 and 2 shared experts of width F_s = 10 (a width no other tensor has)
+at k = 1, 2, 3, dropless, dropping and uneven, in float64 and float32 on every group (N = 3: the
+pair {0, 1}, rank 2 a bystander; N = 4: the pairs) and bfloat16 and float16 on the world, against
+one process (``reference_moe`` plus each shared expert's MLP, one by one): output, aux, z-loss,
+input gradient, this rank's routed experts' gradients, the gate's and the shared experts'
+gradients summed over the group; the trace exactly ``moe.layer``'s (counts, dispatch, combine,
+both reversed in backward; the shared experts send nothing). Overlap, from the timeline (event
+order, not time; a matmul is the shared experts' when one of its tensors has dimension F_s or
+S F_s and none the routed width F): each of the four row all-to-alls has shared-expert matmuls
+between its post and its wait, and no shared-expert matmul runs while none is in flight (so
+waiting at once, computing the shared experts before posting, recomputing them outside, or a
+plain combine all fail). Three steps of AdamW (2 shared experts of the default width) and of
+momentum SGD with the gate and the shared experts frozen, on the world and the last subgroup,
+against the reference's. Bad input (no shared expert, width 0) raises ValueError before any
+communication.
+
 Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
 code and the reference (matmuls over other batches, gradients summed over ranks), the
 absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
@@ -81,13 +102,15 @@ absolute tolerance is raised to rtol x the largest |expected| of the tensor (``n
 import copy
 import math
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from labkit.check import assert_close, tolerance
-from labkit.comm import CommTracer, Op, assert_ops
+from labkit.comm import CommTracer, ConfinedTracer, Op, Step, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -757,6 +780,262 @@ def bias_balance_on_rank() -> None:
             assert changed, "test set-up: the bias should change some choices"
 
 
+# ----------------------------------------------------------------------------- shared experts, overlapped
+
+S_FFN = 10  # the shared experts' width: S F_s = 10 or 20, a dimension no other tensor of the layer has
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"})
+ROW_A2AS = ("dispatch", "combine", "combine's reverse (backward)", "dispatch's reverse (backward)")
+
+
+class SharedTracer(ConfinedTracer):
+    """A ``ConfinedTracer`` that names the shared experts' matmuls on the timeline ("shared:mm"):
+    a matmul one of whose tensors (inputs or output) has a shared width (F_s or S F_s) as a
+    dimension and none the routed experts' width F. Measured from the shapes the ops run on,
+    not from anything the layer reports."""
+
+    def __init__(self, members, what: str, widths):
+        super().__init__(members, what)
+        self.widths = set(widths)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.timeline)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.timeline) > before and self.timeline[-1].what == "compute" and self.timeline[-1].op in MATMULS:
+            dims = {d for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor) for d in t.shape}
+            if dims & self.widths and L_FFN not in dims:
+                step = self.timeline[-1]
+                self.timeline[-1] = Step("compute", "shared:" + step.op, step.time)
+        return out
+
+
+def check_shared_overlap(tracer: SharedTracer, what: str) -> None:
+    """Events 1-4 (the trace is checked before) are the row all-to-alls: each must have a
+    shared-expert matmul between its post and its wait, and every shared-expert matmul must run
+    while one of them is in flight (none before the dispatch is posted, after a wait, ...)."""
+    shared_only = SimpleNamespace(events=tracer.events, timeline=[
+        s for s in tracer.timeline if s.what != "compute" or s.op.startswith("shared:")])
+    for index, name in zip(range(1, 5), ROW_A2AS):
+        assert_overlap(shared_only, f"{what}: the {name} all-to-all (event {index}) must be in flight while "
+                                    f"shared-expert matmuls run", events=[index])
+    post = {s.event: i for i, s in enumerate(tracer.timeline) if s.what == "post"}
+    wait = {}
+    for i, s in enumerate(tracer.timeline):
+        if s.what == "wait":
+            wait.setdefault(s.event, i)
+    windows = [(post[e], wait[e]) for e in range(1, 5)]
+    shared = [i for i, s in enumerate(tracer.timeline) if s.what == "compute" and s.op.startswith("shared:")]
+    outside = [i for i in shared if not any(a < i < b for a, b in windows)]
+    if outside:
+        def after(i):
+            last = [s for s in tracer.timeline[:i] if s.what != "compute"]
+            return (f"after the {last[-1].what} of event {last[-1].event} ({ROW_A2AS[last[-1].event - 1]})"
+                    if last and last[-1].event else "before the dispatch was posted")
+        where = "; ".join(f"{tracer.timeline[i].op} {after(i)}" for i in outside[:4])
+        raise AssertionError(f"{what}: {len(outside)} of the {len(shared)} shared-expert matmuls ran while no "
+                             f"all-to-all was in flight ({where}): post the all-to-all, run the shared experts, "
+                             f"then wait")
+
+
+def shared_cases(m: int, world: bool) -> list:
+    """(name, E, k, capacity factor, uneven, dtype, S) for a group of m ranks."""
+    e = 2 * m if m > 1 else 4
+    cases = [("k=2, dropless, 1 shared", e, 2, None, False, torch.float64, 1),
+             ("k=1, capacity 1.0, uneven, 2 shared", e, 1, 1.0, True, torch.float64, 2),
+             ("k=3, capacity 0.5 (drops), 2 shared", e, 3, 0.5, False, torch.float32, 2)]
+    if world:
+        cases += [("k=2, capacity 1.25, 1 shared", e, 2, 1.25, False, torch.bfloat16, 1),
+                  ("k=1, dropless, uneven, 2 shared", e, 1, None, True, torch.float16, 2)]
+    return cases
+
+
+def shared_reference(x, gate, w1, w2, sw1, sw2, k, factor):
+    """One process: the routed reference plus each shared expert's MLP on every token, one by one."""
+    from labkit.moe import expert_mlp, reference_moe
+    y, aux, z = reference_moe(x, gate, w1, w2, k, factor)
+    tokens = x.reshape(-1, x.shape[-1])
+    shared = sum(expert_mlp(tokens, sw1[s], sw2[s]) for s in range(sw1.shape[0]))
+    return y + shared.reshape(y.shape), aux, z
+
+
+def fused(sw1, sw2):
+    """[S, H, F_s], [S, F_s, H] -> the layer's [H, S F_s], [S F_s, H] (expert s in block s)."""
+    return sw1.permute(1, 0, 2).reshape(sw1.shape[1], -1), sw2.reshape(-1, sw2.shape[2])
+
+
+def overlap_function_on_rank(groups) -> None:
+    """``AllToAllOverlap`` on its own: the rows exactly as ``AllToAll`` moves them (uneven splits, a
+    non-contiguous input and a non-contiguous gradient), a side computation side(u, v, u) = u @ v + u
+    whose first and third inputs are the same tensor (each must get the gradient of its own use)
+    and whose second is frozen (None), its matmuls while the all-to-all is in flight both ways."""
+    from labkit.moe import AllToAllOverlap
+    rank = dist.get_rank()
+    for group_name, members, group in groups:
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for salt, (dtype, (pattern, rows_to)) in enumerate(zip(DTYPES, list(PATTERNS.items()) * 2)):
+            send = [rows_to(me, d, m) for d in range(m)]
+            recv = [rows_to(s, me, m) for s in range(m)]
+            what = (f"moe.shared_overlap: AllToAllOverlap on rank {rank}, {group_name}, {NAMES[dtype]}, {pattern}: "
+                    f"sends {send}, receives {recv}")
+            base = torch.cat([torch.full((send[d], 2 * D_HIDDEN), 100.0 * me + d) for d in range(m)])
+            base += torch.arange(2 * D_HIDDEN)
+            x = base.to(dtype)[:, ::2].requires_grad_(True)  # non-contiguous
+            gen = torch.Generator().manual_seed(900 + 10 * rank + salt)
+            u = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype).requires_grad_(True)
+            v = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype)
+            c = (torch.randn(S_FFN, S_FFN, generator=gen, dtype=torch.float64) / 3).to(dtype)
+            scale = torch.cat([torch.arange(1, sum(recv) + 1, dtype=dtype).unsqueeze(1).expand(-1, D_HIDDEN),
+                               torch.zeros(sum(recv), D_HIDDEN, dtype=dtype)], dim=1)
+            with SharedTracer(members, what, (S_FFN,)) as tracer:
+                out, side = AllToAllOverlap.apply(x, recv, send, group, lambda a, b, d: a @ b + d, u, v, u)
+                wide = torch.cat([out, torch.zeros_like(out)], dim=1)  # backward hands out a strided gradient
+                ((wide * scale).sum() + (side * c).sum()).backward()
+            want = torch.cat([torch.full((recv[s], 2 * D_HIDDEN), 100.0 * s + me) for s in range(m)])
+            want = (want + torch.arange(2 * D_HIDDEN))[:, ::2].to(dtype)
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype, f"{what}: rows must be {dtype}"
+            assert_close(out, want, what + ": the blocks received, in group-rank order", rtol=0, atol=0)
+            grad = torch.cat([torch.arange(1, send[d] + 1, dtype=torch.float64) + sum(rows_to(s, d, m) for s in range(me))
+                              for d in range(m)]).unsqueeze(1).expand(-1, D_HIDDEN).to(dtype)
+            assert_close(x.grad, grad, what + ": backward sends each row's gradient back to its sender", rtol=0, atol=0)
+            u64, v64, c64 = u.detach().double(), v.double(), c.double()
+            near(side, (u64 @ v64 + u64).to(dtype), what + ": side output side(u, v, u) = u @ v + u")
+            near(u.grad, (c64 @ v64.t() + c64).to(dtype),
+                 what + ": gradient of u, used twice (c v^T through the matmul + c through the sum)")
+            assert v.grad is None, f"{what}: v does not require grad: it must get none"
+            size = D_HIDDEN * x.element_size()
+            assert_sequence(tracer, 2 * [Op("all_to_all", max(sum(send), sum(recv)) * size, members)],
+                            what + f" (one all-to-all forward, one back, in group {members}, "
+                                   f"max(rows sent, received) x H x {x.element_size()} B; the side sends nothing)")
+            assert [e.in_backward for e in tracer.events] == [False, True], \
+                f"{what}: the second all-to-all must run in backward"
+            shared_only = SimpleNamespace(events=tracer.events, timeline=[
+                s for s in tracer.timeline if s.what != "compute" or s.op.startswith("shared:")])
+            for index, name in enumerate(("forward", "backward (reverse)")):
+                assert_overlap(shared_only, f"{what}: the {name} all-to-all must be in flight while the side's "
+                                            f"matmuls run", events=[index])
+
+
+def shared_overlap_on_rank() -> None:
+    from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
+    rank = dist.get_rank()
+    groups = groups_of_world()
+    overlap_function_on_rank(groups)
+    with CommTracer() as tracer:  # bad input: a clear error before any communication
+        for kwargs in (dict(num_shared=0), dict(num_shared=-1), dict(shared_ffn=0)):
+            with pytest.raises(ValueError):
+                SharedExpertMoE(L_HIDDEN, L_FFN, 4, **kwargs)
+    assert not tracer.events, f"moe.shared_overlap: bad input must fail before any communication, traced {tracer.ops()}"
+    salt = 0
+    for group_name, members, group in groups:
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for name, num_experts, k, factor, uneven, dtype, shared in shared_cases(m, group is None):
+            salt += 1
+            local = num_experts // m
+            what = f"moe.shared_overlap: rank {rank}, {group_name}, E={num_experts}, {name}, {NAMES[dtype]}"
+            layer = SharedExpertMoE(L_HIDDEN, L_FFN, num_experts, k, factor, group=group, seed=salt, dtype=dtype,
+                                    num_shared=shared, shared_ffn=S_FFN)
+            gate, w1, w2 = init_experts(num_experts, L_HIDDEN, L_FFN, salt, dtype)
+            sw1, sw2 = init_shared_experts(shared, L_HIDDEN, S_FFN, salt, dtype)
+            if uneven:
+                gate = skewed_gate(gate)
+                with torch.no_grad():
+                    layer.gate.copy_(gate)
+            xs = [layer_tokens(r, 300 + salt, dtype, uneven).requires_grad_(True) for r in range(m)]
+            ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2, sw1, sw2)]
+            ref_total = 0
+            for r, x in enumerate(xs):
+                y, aux, z = shared_reference(x, *ref, k, factor)
+                ref_total = ref_total + (y.double().pow(2).sum() + aux.double() + z.double())
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            x = xs[me].detach().clone().requires_grad_(True)
+            with SharedTracer(members, what, (S_FFN, shared * S_FFN)) as tracer:
+                y, aux = layer(x)
+                (y.double().pow(2).sum() + aux.double() + layer.z_loss.double()).backward()
+            near(y, ref_y, what + ": output = shared experts + routed experts (one process, every expert)")
+            near(aux, ref_aux, what + ": load-balancing loss")
+            near(layer.z_loss, ref_z, what + ": z-loss")
+            near(x.grad, xs[me].grad, what + ": input gradient (shared experts, combine, routed experts, dispatch)")
+            mine = slice(me * local, (me + 1) * local)
+            near(layer.w1.grad, ref[1].grad[mine], what + ": w1 gradient of my routed experts")
+            near(layer.w2.grad, ref[2].grad[mine], what + ": w2 gradient of my routed experts")
+            ref_sw1, ref_sw2 = fused(ref[3].grad, ref[4].grad)
+            for got, want, pname in ((layer.gate, ref[0].grad, "gate"), (layer.shared_w1, ref_sw1, "shared_w1"),
+                                     (layer.shared_w2, ref_sw2, "shared_w2")):
+                assert got.grad is not None, f"{what}: {pname} got no gradient"
+                total = got.grad.clone()
+                dist.all_reduce(total, group=group)
+                near(total, want, what + f": {pname} gradient summed over the group (replicated, like the gate)")
+            routing = reference_routing([t.detach() for t in xs], gate, k, factor, num_experts)
+            sent = routing[me][0].numel()
+            received = sum(((kept // local) == me).sum().item() for kept, _ in routing)
+            assert tuple(layer.routed_rows) == (sent, received), \
+                f"{what}: routed_rows must be (rows sent, rows received) = {(sent, received)}, got {layer.routed_rows}"
+            row = max(sent, received) * L_HIDDEN * torch.tensor([], dtype=dtype).element_size()
+            assert_sequence(tracer, [Op("all_to_all", num_experts * 8, members)] + 4 * [Op("all_to_all", row, members)],
+                            what + f" (in group {members}: counts E x 8 B, dispatch, combine, and both in backward: "
+                                   f"max({sent} sent, {received} received) rows x H x element size; the shared "
+                                   f"experts send nothing)")
+            assert [e.dtype for e in tracer.events] == [torch.int64] + 4 * [dtype], \
+                f"{what}: counts as int64, rows as {dtype}: traced {[e.dtype for e in tracer.events]}"
+            assert [e.in_backward for e in tracer.events] == [False] * 3 + [True] * 2, \
+                f"{what}: counts, dispatch, combine forward, then the two reverse all-to-alls in backward"
+            check_shared_overlap(tracer, what)
+            if "drops" in name:  # the case is what it says
+                assert sum(kept.numel() for kept, _ in routing) < sum(ex.numel() for _, ex in routing), \
+                    f"test set-up ({what}): capacity should drop some choices"
+    for group_name, members, group in groups[:1] + groups[1:][-1:]:  # several steps: the world and the last subgroup
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        for name, k, factor, shared, width, frozen, make_opt in [
+                ("AdamW, k=3, capacity 1.5, 2 shared of the routed width (shared_ffn=None)", 3, 1.5, 2, None, False,
+                 lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
+                ("momentum SGD, k=1, dropless, 1 shared, gate and shared experts frozen", 1, None, 1, S_FFN, True,
+                 lambda ps: torch.optim.SGD(ps, lr=5e-2, momentum=0.9))]:
+            num_experts = 2 * m if m > 1 else 4
+            local = num_experts // m
+            what = f"moe.shared_overlap: rank {rank}, {group_name}, E={num_experts}, {name}"
+            layer = SharedExpertMoE(L_HIDDEN, L_FFN, num_experts, k, factor, group=group, seed=19,
+                                    dtype=torch.float64, num_shared=shared, shared_ffn=width)
+            ref = [p.clone().requires_grad_(not frozen or i in (1, 2)) for i, p in enumerate(
+                init_experts(num_experts, L_HIDDEN, L_FFN, 19, torch.float64)
+                + init_shared_experts(shared, L_HIDDEN, width or L_FFN, 19, torch.float64))]
+            if frozen:
+                for p in (layer.gate, layer.shared_w1, layer.shared_w2):
+                    p.requires_grad_(False)
+            opt = make_opt([p for p in layer.parameters() if p.requires_grad])
+            ref_opt = make_opt([p for p in ref if p.requires_grad])
+            for step in range(3):
+                xs = [layer_tokens(r, 60 + step, torch.float64, False) for r in range(m)]
+                y, aux = layer(xs[me])
+                loss = y.pow(2).mean() + 0.01 * aux
+                opt.zero_grad()
+                loss.backward()
+                for p in (layer.gate, layer.shared_w1, layer.shared_w2):  # replicated: summed like the reference's
+                    if not frozen:
+                        dist.all_reduce(p.grad, group=group)
+                opt.step()
+                ref_losses = [shared_reference(x, *ref, k, factor) for x in xs]
+                ref_loss = sum(y.pow(2).mean() + 0.01 * a for y, a, _ in ref_losses)
+                ref_opt.zero_grad()
+                ref_loss.backward()
+                ref_opt.step()
+                total = loss.detach().clone()
+                dist.all_reduce(total, group=group)
+                near(total, ref_loss.detach(), f"{what}, step {step + 1}: loss summed over the group")
+                near(layer.w1, ref[1][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w1")
+                near(layer.w2, ref[2][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w2")
+                near(layer.gate, ref[0], f"{what}, after step {step + 1}: gate")
+                sw1, sw2 = fused(ref[3], ref[4])
+                near(layer.shared_w1, sw1, f"{what}, after step {step + 1}: shared_w1")
+                near(layer.shared_w2, sw2, f"{what}, after step {step + 1}: shared_w2")
+
+
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_router(world_size):
@@ -791,3 +1070,9 @@ def test_ep_dp(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_bias_balance(world_size):
     run_graded("moe.bias_balance", bias_balance_on_rank, world_size)
+
+
+@task("moe.shared_overlap", points=2)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shared_overlap(world_size):
+    run_graded("moe.shared_overlap", shared_overlap_on_rank, world_size)

@@ -154,6 +154,64 @@ MUTANTS += [
            find="(probs.float() + bias.float()).topk(k, dim=-1).indices", replace="(probs + bias.to(probs.dtype)).topk(k, dim=-1).indices"),
 ]
 
+# moe.shared_overlap
+MUTANTS += [
+    Mutant("moe.shared_overlap", "wait_at_once", "waits on the all-to-all right after posting it: the shared experts "
+           "run after it arrived, nothing is hidden (right numbers, no overlap)",
+           find="        work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)\n",
+           replace="        work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)\n"
+                   "        work.wait()\n"),
+    Mutant("moe.shared_overlap", "shared_before_post", "runs the shared experts first, then a blocking all-to-all: "
+           "the same numbers and bytes, nothing in flight while they compute",
+           find="        work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)\n"
+                "        ctx.side_inputs = [t.detach().requires_grad_(t.requires_grad) for t in side_inputs]\n"
+                "        with torch.enable_grad():  # a Function's forward runs without grad: record the side's graph\n"
+                "            ctx.side_output = side_fn(*ctx.side_inputs)\n",
+           replace="        ctx.side_inputs = [t.detach().requires_grad_(t.requires_grad) for t in side_inputs]\n"
+                   "        with torch.enable_grad():\n"
+                   "            ctx.side_output = side_fn(*ctx.side_inputs)\n"
+                   "        work = dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group, async_op=True)\n"),
+    Mutant("moe.shared_overlap", "backward_not_overlapped", "overlaps forward only: backward waits on the reverse "
+           "all-to-all before computing the shared experts' gradients",
+           find="        wanted = [t for t in ctx.side_inputs if t.requires_grad]\n",
+           replace="        work.wait()\n        wanted = [t for t in ctx.side_inputs if t.requires_grad]\n"),
+    Mutant("moe.shared_overlap", "shared_added_twice", "adds the shared output twice (once as the index_add's base, once more)",
+           find="y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))",
+           replace="y = shared + shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))"),
+    Mutant("moe.shared_overlap", "recompute_before_post", "recomputes the shared experts' forward in backward (to "
+           "keep no activations) before posting the reverse all-to-all: those FLOPs are not hidden",
+           find="        work.wait()\n        return out, ctx.side_output.detach()\n        # END SOLUTION\n\n"
+                "    @staticmethod\n    def backward(ctx, grad_out, grad_side):\n",
+           replace="        work.wait()\n        ctx.side_fn = side_fn\n        return out, ctx.side_output.detach()\n        # END SOLUTION\n\n"
+                   "    @staticmethod\n    def backward(ctx, grad_out, grad_side):\n"
+                   "        with torch.enable_grad():\n"
+                   "            ctx.side_output = ctx.side_fn(*ctx.side_inputs)\n"),
+    Mutant("moe.shared_overlap", "shared_as_a_choice", "weights the shared experts like one more routed choice, "
+           "1/(k+1), instead of adding them with weight 1 (DeepSeekMoE)",
+           find="y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))",
+           replace="y = (shared / (self.k + 1)).index_add(0, token_of, unsorted * weight_of.unsqueeze(1))"),
+    Mutant("moe.shared_overlap", "shared_skipped_in_backward", "returns no gradient for the side inputs: the shared "
+           "experts are never trained and the tokens miss their gradient through them",
+           find="        return (grad_x, None, None, None, None) + tuple(next(grads) if t.requires_grad else None\n",
+           replace="        return (grad_x, None, None, None, None) + tuple(None if t.requires_grad else None\n"),
+    Mutant("moe.shared_overlap", "backward_on_world", "the backward all-to-all forgets the group: right only on the world",
+           find="                                      group=ctx.group, async_op=True)",
+           replace="                                      group=None, async_op=True)"),
+    Mutant("moe.shared_overlap", "side_not_detached", "runs the side on the original inputs: an input passed twice "
+           "is one tensor in torch.autograd.grad's list, and each use gets the gradient of both",
+           find="ctx.side_inputs = [t.detach().requires_grad_(t.requires_grad) for t in side_inputs]",
+           replace="ctx.side_inputs = [t.requires_grad_(t.requires_grad) for t in side_inputs]"),
+    Mutant("moe.shared_overlap", "grad_not_contiguous", "sends the incoming gradient as it is: a strided gradient "
+           "goes out as its underlying storage",
+           find="grad_x, grad_out.contiguous(), input_splits", replace="grad_x, grad_out, input_splits"),
+    Mutant("moe.shared_overlap", "all_shared_in_dispatch", "runs the whole shared MLP behind the dispatch and a plain "
+           "all-to-all for the combine: the combine (and its reverse) hides nothing",
+           find="        back, shared = AllToAllOverlap.apply(results, send_splits, recv_splits, self.group,\n"
+                "                                             shared_fc2, hidden, self.shared_w2)\n",
+           replace="        shared = shared_fc2(hidden, self.shared_w2)\n"
+                   "        back = AllToAll.apply(results, send_splits, recv_splits, self.group)\n"),
+]
+
 # Automatic mutants (labkit mutate moe) that change nothing a learner could get wrong.
 EQUIVALENT = {
     "moe.layer/bool/c3eb7bf4": "argsort(expert_of, stable=False): the rows of one expert may leave in another order, "
@@ -163,4 +221,8 @@ EQUIVALENT = {
     "moe.layer/bool/7319cc33": "argsort(local_expert, stable=False): the regrouping by local expert is undone by "
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
+    "moe.shared_overlap/bool/b3f07d80": "argsort(expert_of, stable=False) in SharedExpertMoE.forward: as "
+                                        "moe.layer/bool/c3eb7bf4, combine un-permutes with the same `order`",
+    "moe.shared_overlap/bool/03c19e9f": "argsort(local_expert, stable=False) in SharedExpertMoE.forward: as "
+                                        "moe.layer/bool/7319cc33, undone by index_copy with the same `by_expert`",
 }

@@ -60,6 +60,46 @@ def moe_ep4_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
     return moe_ep_row(repeats, world_size)
 
 
+def _shared_overlap_vs_after(repeats: int) -> dict:
+    """Forward + backward of labkit.moe's SharedExpertMoE (the shared expert computed while the
+    all-to-alls are in flight) vs the same layer with the shared expert run after the routed
+    path (ExpertParallelMoE, then the shared MLP): the same FLOPs and bytes, another order."""
+    from labkit.comm import CommTracer
+    from labkit.moe import ExpertParallelMoE, SharedExpertMoE, shared_fc1, shared_fc2
+    rank = dist.get_rank()
+    h, f, e, k, t = (MOE_BENCH[key] for key in ("hidden", "ffn", "experts", "top_k", "tokens"))
+    layer = SharedExpertMoE(h, f, e, k, None, seed=0, num_shared=1, shared_ffn=4 * f)
+    plain = ExpertParallelMoE(h, f, e, k, None, seed=0)
+    w1, w2 = (p.detach().clone().requires_grad_(True) for p in (layer.shared_w1, layer.shared_w2))
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(rank))
+
+    def ours(_):
+        y, aux = layer(x.clone().requires_grad_(True))
+        (y.sum() + aux).backward()
+
+    def after(_):
+        tokens = x.clone().requires_grad_(True)
+        y, aux = plain(tokens)
+        (y.sum() + shared_fc2(shared_fc1(tokens, w1), w2).sum() + aux).backward()
+
+    medians = interleaved_medians({"ours": ours, "builtin": after}, lambda: None, repeats, warmup=1)
+    with CommTracer() as tracer:
+        ours(None)
+    rows = max(layer.routed_rows) * h * 4
+    return dict(medians, traced=sum(event.bytes for event in tracer.events), formula=e * 8 + 4 * rows)
+
+
+@row("moe_shared", divides(MOE_BENCH["experts"]),
+     "its 8 experts split evenly over the ranks")
+def moe_shared_row(repeats: int = 5, world_size: int = 2) -> BenchRow:
+    """MoE layer with a shared expert overlapping the all-to-alls (chapter 10) vs the shared expert after them"""
+    r = launch(_shared_overlap_vs_after, world_size, repeats, timeout=600)[0]
+    m = MOE_BENCH
+    return BenchRow(f"MoE layer E={m['experts']} top-{m['top_k']} + a shared expert of width {4 * m['ffn']}, "
+                    f"{m['tokens']} tokens/rank, EP on {world_size} ranks: shared expert behind the all-to-alls "
+                    f"vs after them", r["ours"], r["builtin"], r["traced"], r["formula"])
+
+
 MOE_GPT_BENCH = dict(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64, n_experts=4, moe_k=2)
 GPT_BATCH = 8  # sequences per rank
 
