@@ -450,3 +450,6 @@ def test_group_time_picks_the_link_of_the_group():
             group_time("all_reduce", 1e6, size, stride, dgx)
         with pytest.raises(ValueError):
             group_link(size, stride, dgx)
+
+
+# ============================================================ perf.step, perf.search (appended below)

@@ -120,3 +120,6 @@ EQUIVALENT: dict[str, str] = {
     "perf.roofline/swap/d61f3305": "max(a, b) and max(b, a) are the same value",
     "perf.comm/swap/acc9d0bf": "min(stride, gpus_per_node) and min(gpus_per_node, stride) are the same value",
 }
+
+
+# ============================================================ perf.step, perf.search (appended below: MUTANTS += [...], EQUIVALENT.update({...}))
