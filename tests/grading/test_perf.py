@@ -414,6 +414,9 @@ def test_group_time_picks_the_link_of_the_group():
     dgx = CLUSTERS["dgx-h100"]
     nvlink, network = dgx.nvlink, dgx.network
     assert nvlink.bandwidth > network.bandwidth, "perf.comm: NVLink must be faster than the network"
+    for key, cluster in CLUSTERS.items():
+        assert f"{8 * cluster.network.bandwidth / 1e9:g} Gb/s" in cluster.source or \
+            f"IB {cluster.network.bandwidth / 1e9:g} GB/s" in cluster.source, f"perf.comm: CLUSTERS[{key!r}] must cite its network"
     no_rails = replace(dgx, rails=False)
     # (group_size, stride) -> the link, on 8 GPUs per node
     inside = [(8, 1), (4, 1), (2, 4), (4, 2), (2, 1), (1, 8)]            # blocks of stride x size that divide a node
