@@ -318,31 +318,34 @@ class Cluster:
     gpus_per_node: int = 8
     rails: bool = True
     name: str = ""
+    source: str = ""      # citation for every figure
 
 
 # alpha: NCCL's own cost model charges a few microseconds per step inside a node (src/graph/tuning.cc,
 # hwLat NVLink ring Simple 3.4 us) and chapter 00's orders of magnitude: a few us within a node, tens
 # of us across nodes (here 10 us). Bandwidths: one direction, per GPU.
 _NVLINK_ALPHA, _NET_ALPHA = 3.4e-6, 10e-6
+_ALPHA_SOURCE = ("alpha: orders of magnitude, not measured (NCCL's cost model, src/graph/tuning.cc, charges 3.4 us "
+                 "per NVLink ring step; chapter 00: a few us inside a node, tens across)")
 CLUSTERS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
-        HARDWARE["A100"], nvlink=Link(_NVLINK_ALPHA, 300e9), network=Link(_NET_ALPHA, 25e9), name="DGX A100"),
+        HARDWARE["A100"], nvlink=Link(_NVLINK_ALPHA, 300e9), network=Link(_NET_ALPHA, 25e9), name="DGX A100",
+        source="NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (300 each way), 8 x ConnectX-6 200 Gb/s "
+               "HDR InfiniBand, one per GPU (25 GB/s each way); " + _ALPHA_SOURCE),
     "dgx-h100": Cluster(
-        HARDWARE["H100"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H100"),
+        HARDWARE["H100"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H100",
+        source="NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (450 each way), 8 x ConnectX-7 400 Gb/s "
+               "NDR InfiniBand, one per GPU (50 GB/s each way); " + _ALPHA_SOURCE),
     "dgx-h200": Cluster(
-        HARDWARE["H200"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H200"),
+        HARDWARE["H200"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H200",
+        source="NVIDIA DGX H200 datasheet: NVLink 4 900 GB/s per GPU, 8 x ConnectX-7 400 Gb/s (as DGX H100); "
+               + _ALPHA_SOURCE),
     "h800": Cluster(
-        HARDWARE["H800"], nvlink=Link(_NVLINK_ALPHA, 160e9), network=Link(_NET_ALPHA, 50e9), name="DeepSeek H800"),
+        HARDWARE["H800"], nvlink=Link(_NVLINK_ALPHA, 160e9), network=Link(_NET_ALPHA, 50e9), name="DeepSeek H800",
+        source="DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
+               "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU; " + _ALPHA_SOURCE),
 }
-CLUSTER_SOURCES = {
-    "dgx-a100": "NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (300 each way), 8 x ConnectX-6 200 Gb/s "
-                "HDR InfiniBand, one per GPU (25 GB/s each way)",
-    "dgx-h100": "NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (450 each way), 8 x ConnectX-7 400 Gb/s "
-                "NDR InfiniBand, one per GPU (50 GB/s each way)",
-    "dgx-h200": "NVIDIA DGX H200 datasheet: NVLink 4 900 GB/s per GPU, 8 x ConnectX-7 400 Gb/s (as DGX H100)",
-    "h800": "DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
-            "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU",
-}
+CLUSTER_SOURCES = {key: cluster.source for key, cluster in CLUSTERS.items()}
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = "ring") -> float:

@@ -121,6 +121,7 @@ EQUIVALENT: dict[str, str] = {
     "perf.comm/swap/acc9d0bf": "min(stride, gpus_per_node) and min(gpus_per_node, stride) are the same value",
 }
 
+
 # ============================================================ perf.step, perf.search (perf-B)
 
 MUTANTS += [
