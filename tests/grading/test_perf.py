@@ -652,7 +652,8 @@ def test_step_data_parallel_bytes_and_overlap():
     m = 4
     for zero in (0, 1, 2, 3):
         for layout in (Layout(dp=8, zero=zero), Layout(dp=2, tp=2, pp=2, zero=zero, microbatch=2),
-                       Layout(dp=2, cp=2, zero=zero, recompute="full"), Layout(dp=4, tp=2, zero=zero)):
+                       Layout(dp=2, cp=2, zero=zero, recompute="full"), Layout(dp=4, tp=2, zero=zero),
+                       Layout(cp=2, tp=2, pp=2, zero=zero)):
             for network, exposed in (((20e-6, 1e9), True), ((0.0, 1e15), False)):
                 cluster = _cluster(network=network, nvlink=(0.0, 1e15) if not exposed else (2e-6, 1e9))
                 batch = m * layout.dp * layout.microbatch
@@ -660,7 +661,8 @@ def test_step_data_parallel_bytes_and_overlap():
                 where = f"perf.step: {layout}, network={network}"
                 dense = max(parameters_per_gpu(model, layout, r)[0] for r in range(layout.pp))
                 size = layout.dp * layout.cp
-                stride = layout.tp * layout.cp * layout.pp
+                # the group of ranks sharing these weights: along dp (stride tp cp pp) and cp (stride tp)
+                stride = layout.tp * layout.cp * layout.pp if layout.dp > 1 else layout.tp
                 net = cluster.nvlink if 4 % (size * stride) == 0 else cluster.network
                 ar = collective_time("all_reduce", 2 * dense, size, net)
                 want = {0: ar, 1: ar, 2: ar, 3: 1.5 * m * ar}[zero]
@@ -673,13 +675,19 @@ def test_step_data_parallel_bytes_and_overlap():
                     + ("part of it exposed" if exposed else "all of it hidden")
     # experts: their gradients go over dp x cp / ep ranks, the dense ones over dp x cp
     moe, cluster = _moe(), _cluster()
-    for layout in (Layout(dp=8, ep=2, zero=0), Layout(dp=4, ep=2, cp=2, zero=1), Layout(dp=8, ep=8, zero=2)):
+
+    def link(size, stride):
+        return cluster.nvlink if 4 % (size * stride) == 0 else cluster.network
+    for layout in (Layout(dp=8, ep=2, zero=0), Layout(dp=4, ep=2, cp=2, zero=1), Layout(dp=8, ep=8, zero=2),
+                   Layout(dp=2, ep=2, cp=2, tp=2, zero=1)):
         st = step_time(moe, layout, cluster, 8 * layout.dp)
         dense, experts = parameters_per_gpu(moe, layout, 0)
-        want = collective_time("all_reduce", 2 * dense, layout.dp * layout.cp, cluster.network)
-        rest = layout.dp * layout.cp // layout.ep
+        tp, cp, pp = layout.tp, layout.cp, layout.pp
+        want = collective_time("all_reduce", 2 * dense, layout.dp * cp, link(layout.dp * cp, tp * cp * pp))
+        rest = layout.dp * cp // layout.ep          # replicas of an expert: dp / ep along dp, times cp
         if rest > 1:
-            want += collective_time("all_reduce", 2 * experts, rest, cluster.network)
+            stride = tp * cp * pp * layout.ep if layout.dp > layout.ep else tp
+            want += collective_time("all_reduce", 2 * experts, rest, link(rest, stride))
         _close(st.dp_comm, want, f"perf.step: MoE {layout}: dp_comm")
 
 
