@@ -197,10 +197,10 @@ class Plan:
     # the fit (chapter 00, from whole all-reduces on 2 ranks: per step, S/2 bytes in t/2 seconds)
     inside_sizes: tuple = (1 << 10, 1 << 16, 1 << 20, 1 << 22)   # all-reduce bytes, ranks 0 and 1 (one node):
     #   from one number per token (TP's loss) to the hierarchical reduce-scatter; alpha from the smallest
-    across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21)    # ranks 0 and 2 (one per node): steps of 256 KiB - 1 MiB
+    across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21, 1 << 22)   # ranks 0 and 2 (one per node): steps of 256 KiB - 2 MiB
     calibration_repeats: int = 5                         # the median of these (after one warm-up) across;
     inside_repeats: int = 9                              # inside (cheap; a loopback is noisier under load)
-    allreduce_bytes: int = 8 << 20         # (a): 8 MiB of fp32
+    allreduce_bytes: int = 16 << 20        # (a): 16 MiB of fp32
     # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
     seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
                       ("tie_weights", False))
@@ -211,6 +211,8 @@ class Plan:
                        ("tie_weights", False))
     grid_batch: int = 8
     experiments: tuple = EXPERIMENTS       # which of (a), (b), (c) to run
+    nice: int = -10                        # the ranks' CPU priority (run_on_nodes): each emulated node is meant
+    #                                        to be a machine of its own, not to queue behind the box's other load
     trace_hierarchical: bool = False       # (a): also trace the bytes the hierarchical all-reduce sends (the
     #                                        bench row's; CommTracer around its chained futures takes ~20 s here)
 
@@ -484,7 +486,7 @@ def validate(plan: Plan | None = None, timeout: float = 300, **changes) -> Valid
     unknown = set(plan.experiments) - set(EXPERIMENTS)
     if unknown:
         raise ValueError(f"validate: unknown experiments {sorted(unknown)}; choose from {EXPERIMENTS}")
-    results = run_on_nodes(_validate_rank, 2, 2, plan, bandwidth=plan.bandwidth, timeout=timeout)
+    results = run_on_nodes(_validate_rank, 2, 2, plan, bandwidth=plan.bandwidth, timeout=timeout, nice=plan.nice)
     times = {k: v for k, v in results[0]["calibration"].items() if v}
     links = links_of({k: fit_alpha_beta(list(v), list(v.values())) for k, v in times.items()})
     out = Validation(links, [], [], plan.bandwidth, MODEL, times,

@@ -210,7 +210,7 @@ def test_the_model_calibrated_on_the_bed_predicts_every_layout():
     result = lab_netbed.validate()
     table = result.table()
     print(table)
-    assert [r.layout for r in result.rows][:2] == ["flat ring 8 MiB (dist.all_reduce)", "hierarchical 2x2 8 MiB"]
+    assert [r.layout for r in result.rows][:2] == ["flat ring 16 MiB (dist.all_reduce)", "hierarchical 2x2 16 MiB"]
     assert len(result.rows) == 6 and len(result.verdicts) == 3, table
     across, inside = result.links["across"], result.links["inside"]
     # tc shapes 100 Mbit/s = 12.5 MB/s; TCP/IP headers take ~5 %: the fit must find the throttle

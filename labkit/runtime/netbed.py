@@ -118,10 +118,13 @@ def netem_available() -> bool:
 
 
 def run_on_nodes(fn, nodes: int, ranks_per_node: int, *args, bandwidth: str = "1gbit",
-                 latency_us: float = 0, timeout: float = 120, **kwargs) -> list:
+                 latency_us: float = 0, timeout: float = 120, nice: int = 0, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``nodes x ranks_per_node`` gloo ranks, on emulated nodes
     joined by links of ``bandwidth`` (a tc rate: "1gbit", "100mbit") and ``latency_us`` of
-    one-way delay; return the results in rank order."""
+    one-way delay; return the results in rank order. ``nice`` < 0 raises the ranks' CPU
+    priority (set before gloo starts its threads, so they inherit it): on a shared, loaded
+    machine a node's ranks then wake when their message arrives, as on a node of their own,
+    instead of queueing behind other processes' CPU hogs."""
     for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"run_on_nodes: {name} must be a positive integer, got {value!r}")
@@ -132,7 +135,7 @@ def run_on_nodes(fn, nodes: int, ranks_per_node: int, *args, bandwidth: str = "1
     job = cloudpickle.dumps((fn, args, kwargs))
     return _bed_request(dict(nodes=nodes, ranks_per_node=ranks_per_node, bandwidth=bandwidth,
                              latency_us=latency_us, timeout=timeout, job=job, path=sys.path,
-                             cwd=os.getcwd()), timeout)
+                             cwd=os.getcwd(), nice=nice), timeout)
 
 
 def _bed_request(request: dict, timeout: float):
@@ -169,6 +172,12 @@ def _run(cmd: str, ns: str | None = None) -> str:
     if done.returncode != 0:
         raise RuntimeError(f"`{cmd}` failed: {done.stderr.strip()}")
     return done.stdout
+
+
+def _sysctl(key: str, value: str, ns: str) -> None:
+    """Set ``key`` in the network namespace ``ns`` (per-namespace keys only), if ``sysctl`` is here."""
+    if shutil.which("sysctl"):
+        _run(f"sysctl -q -w {key}={value}", ns)
 
 
 def _shape(dev: str, ns: str | None, bandwidth: str, latency_us: float) -> None:
@@ -209,6 +218,10 @@ def _bed(request: dict) -> tuple:
             _run(f"ip addr add {node_address(node)}/24 dev eth0", ns)
             _run("ip link set dev eth0 up", ns)
             _run("ip link set dev lo up", ns)
+            # TCP keeps its window between a collective's messages (a node's own setting, this
+            # namespace's only): by default it shrinks it after ~200 ms idle, and every message
+            # after a pause would start slow, by an amount that depends on the queue at that moment
+            _sysctl("net.ipv4.tcp_slow_start_after_idle", "0", ns)
             _shape("eth0", ns, request["bandwidth"], request["latency_us"])
             _shape(f"n{node}", None, request["bandwidth"], 0)
     except RuntimeError as e:
@@ -229,7 +242,8 @@ def _bed(request: dict) -> tuple:
         pid = os.fork()
         if pid == 0:
             os.close(read)
-            _rank(rank, world, per_node, f"/proc/{holders[rank // per_node].pid}/ns/net", write, fn, args, kwargs)
+            _rank(rank, world, per_node, f"/proc/{holders[rank // per_node].pid}/ns/net", write, fn, args, kwargs,
+                  request.get("nice", 0))
         os.close(write)
         outputs[read], pids = (rank, b""), pids + [pid]
     results = {}
@@ -267,10 +281,12 @@ def _bed(request: dict) -> tuple:
                 pass
 
 
-def _rank(rank: int, world: int, per_node: int, ns: str, result_fd: int, fn, args, kwargs) -> None:
+def _rank(rank: int, world: int, per_node: int, ns: str, result_fd: int, fn, args, kwargs, nice: int = 0) -> None:
     """A forked rank: die with the bed, join the node's namespace, run ``fn``, report, exit."""
     try:
         _enter(ns, os.getppid())()
+        if nice:
+            os.nice(nice)  # this thread; gloo's threads, made below, inherit it
         os.dup2(2, 1)  # what the rank prints goes to stderr
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node),
                           NODE_RANK=str(rank // per_node), MASTER_ADDR=node_address(0), MASTER_PORT=str(PORT),
