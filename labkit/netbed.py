@@ -113,13 +113,19 @@ EXPERIMENTS = ("allreduce", "pp_vs_tp", "2d")
 
 
 def links_of(calibration: dict) -> dict[str, Link]:
-    """{"inside": Link, "across": Link} from ``calibrate``'s (alpha, beta) fits."""
-    return {k: Link(calibration[k][0], 1.0 / calibration[k][1]) for k in ("inside", "across")}
+    """{"inside": Link, "across": Link} (and "across_shared" when fitted) from (alpha, beta) fits."""
+    return {k: Link(v[0], 1.0 / v[1]) for k, v in calibration.items() if k in ("inside", "across", "across_shared")}
 
 
-def shared(link: Link, flows: int) -> Link:
-    """``link`` as each of ``flows`` flows crossing it at once sees it."""
-    return Link(link.alpha, link.bandwidth / flows)
+def shared(links: dict, flows: int) -> Link:
+    """The link across nodes as each of ``flows`` flows crossing a node's link at once sees it:
+    "across_shared" where it was fitted for 2 flows (the two pairs of nodes' ranks all-reducing at
+    once: TCP flows share a token bucket less than perfectly), else the bandwidth / ``flows``."""
+    if flows == 1:
+        return links["across"]
+    if flows == 2 and "across_shared" in links:
+        return links["across_shared"]
+    return Link(links["across"].alpha, links["across"].bandwidth / flows)
 
 
 def _message(op: str, nbytes: float, ranks: int, links: dict, where: str, flows: int = 1) -> float:
@@ -128,7 +134,7 @@ def _message(op: str, nbytes: float, ranks: int, links: dict, where: str, flows:
     inside = collective_time(op, nbytes, ranks, links["inside"])
     if where == "inside":
         return inside
-    return max(collective_time(op, nbytes, ranks, shared(links["across"], flows)), inside)
+    return max(collective_time(op, nbytes, ranks, shared(links, flows)), inside)
 
 
 def predict_all_reduce(nbytes: float, links: dict, nodes: int = 2, ranks_per_node: int = 2) -> dict[str, float]:
@@ -200,7 +206,9 @@ class Plan:
     across_sizes: tuple = (1 << 19, 1 << 20, 1 << 21, 1 << 22)   # ranks 0 and 2 (one per node): steps of 256 KiB - 2 MiB
     calibration_repeats: int = 5                         # the median of these (after one warm-up) across;
     inside_repeats: int = 9                              # inside (cheap; a loopback is noisier under load)
-    allreduce_bytes: int = 16 << 20        # (a): 16 MiB of fp32
+    shared_sizes: tuple = (1 << 20, 1 << 21, 1 << 22)    # both pairs (0, 2) and (1, 3) at once: 2 flows per link
+    shared_repeats: int = 3
+    allreduce_bytes: int = 8 << 20         # (a): 8 MiB of fp32
     # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
     seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
                       ("tie_weights", False))
@@ -254,8 +262,10 @@ class Validation:
 
     def table(self) -> str:
         lines = [f"emulated nodes 2 x 2, {self.bandwidth}/s between nodes; model: {self.model}",
-                 "links: " + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e6:.1f} MB/s"
-                                       for k, v in self.links.items()),
+                 "links: " + ", ".join(f"{k}: alpha {v.alpha * 1e6:.0f} us, {v.bandwidth / 1e6:.2f} MB/s"
+                                       for k, v in self.links.items())
+                 + (f" (per flow: {2 * self.links['across_shared'].bandwidth / self.links['across'].bandwidth:.2f}"
+                    " of half the link)" if "across_shared" in self.links else ""),
                  f"{'experiment':10} {'layout':38} {'predicted':>10} {'measured':>10} {'error':>7}"]
         for r in self.rows:
             lines.append(f"{r.experiment:10} {r.layout:38} {r.predicted_s * 1e3:8.1f}ms {r.measured_s * 1e3:8.1f}ms "
@@ -330,13 +340,15 @@ def _tokens(config, batch: int, seed: int):
 
 
 def _calibrate_all_reduce(groups, plan: Plan) -> dict:
-    """On rank 0: {"inside": {message bytes: seconds}, "across": ...} from all-reduces on two ranks
-    of one node (0, 1) and of two nodes (0, 2), the median of the repeats: a
+    """On rank 0: {"inside": {message bytes: seconds}, "across": ..., "across_shared": ...} from
+    all-reduces on two ranks of one node (0, 1), of two nodes (0, 2), and of both such pairs at
+    once (0, 2 and 1, 3: the slowest of the two), the median of the repeats: a
     2-rank ring all-reduce of S bytes is 2 steps of one S/2 message each way (chapter 00)."""
     rank, times = dist.get_rank(), {}
     for name, members, group, sizes, repeats in (
             ("inside", (0, 1), groups.inside, plan.inside_sizes, plan.inside_repeats),
-            ("across", (0, 2), groups.across, plan.across_sizes, plan.calibration_repeats)):
+            ("across", (0, 2), groups.across, plan.across_sizes, plan.calibration_repeats),
+            ("across_shared", (0, 1, 2, 3), groups.across, plan.shared_sizes, plan.shared_repeats)):
         times[name] = {}
         for size in sizes:
             buf, samples = torch.zeros(size // 4), []
@@ -346,6 +358,10 @@ def _calibrate_all_reduce(groups, plan: Plan) -> dict:
                     start = time.perf_counter()
                     dist.all_reduce(buf, group=group)
                     samples.append(time.perf_counter() - start)
+            if members == (0, 1, 2, 3):  # the pair that finished last sets the time
+                slowest = torch.tensor(samples, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                samples = slowest.tolist()
             if rank == 0:
                 times[name][size // 2] = statistics.median(samples[1:]) / 2
     return times

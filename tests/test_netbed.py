@@ -210,12 +210,14 @@ def test_the_model_calibrated_on_the_bed_predicts_every_layout():
     result = lab_netbed.validate()
     table = result.table()
     print(table)
-    assert [r.layout for r in result.rows][:2] == ["flat ring 16 MiB (dist.all_reduce)", "hierarchical 2x2 16 MiB"]
+    assert [r.layout for r in result.rows][:2] == ["flat ring 8 MiB (dist.all_reduce)", "hierarchical 2x2 8 MiB"]
     assert len(result.rows) == 6 and len(result.verdicts) == 3, table
     across, inside = result.links["across"], result.links["inside"]
     # tc shapes 100 Mbit/s = 12.5 MB/s; TCP/IP headers take ~5 %: the fit must find the throttle
     assert 9e6 < across.bandwidth < 13e6, f"fitted across-node bandwidth {across.bandwidth / 1e6:.2f} MB/s\n{table}"
     assert inside.bandwidth > 20 * across.bandwidth, f"inside {inside.bandwidth / 1e6:.0f} MB/s\n{table}"
+    shared = result.links["across_shared"].bandwidth  # per flow, two flows on each node's link
+    assert 0.3 * across.bandwidth < shared < 0.6 * across.bandwidth, f"shared {shared / 1e6:.2f} MB/s per flow\n{table}"
     for r in result.rows:
         assert abs(r.error) <= 0.25, (f"{r.experiment} / {r.layout}: measured {r.measured_s * 1e3:.1f} ms "
                                       f"(samples {[round(x * 1e3) for x in r.samples]}) vs predicted "
