@@ -195,6 +195,31 @@ MUTANTS += [
     Mutant("compress.ag_matmul", "world_ring", "takes its ring neighbours in the world, whatever group the layer is on",
            find="    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n",
            replace="    to_rank, from_rank = ring_peers(None)\n    outputs, chunks = [None] * n, [None] * n\n"),
+    Mutant("compress.ag_matmul", "regather_stashes_gathered", "with regather saves the shard and gathers it again, but "
+           "also keeps the gathered x on ctx \"for reuse\": the trace and the gradients are right, the memory N times the shard",
+           find="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n",
+           replace="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n"
+                   "        ctx.gathered = torch.cat(chunks, dim=1)\n"),
+    Mutant("compress.ag_matmul", "regather_saves_gathered", "regather=True still saves the gathered x and skips the "
+           "re-gather: the old memory under the new name",
+           find="        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n",
+           replace="        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n"),
+    Mutant("compress.ag_matmul", "regather_owner_up_the_ring", "pairs the chunk held at step s with grad_y's chunk r + s "
+           "(the ring counted the wrong way): grad_W wrong for N >= 3",
+           find="                c = (me - next(steps)) % n  # step s holds the chunk of rank r - s\n",
+           replace="                c = (me + next(steps)) % n\n"),
+    Mutant("compress.ag_matmul", "regather_then_matmul", "re-gathers x on the ring with nothing to compute per chunk, "
+           "then one grad_W matmul: the re-gather's transfers are not overlapped",
+           find="            grad_w = sum(ring_all_gather_matmul(x_saved, weight_grad, ctx.group)[0])\n",
+           replace="            gathered = torch.cat(ring_all_gather_matmul(x_saved, lambda chunk: chunk, ctx.group)[1], dim=1)\n"
+                   "            grad_w = grad_y.flatten(0, 1).t() @ gathered.flatten(0, 1)\n"),
+    Mutant("compress.ag_matmul", "regather_builtin", "re-gathers x with one dist.all_gather_into_tensor: right "
+           "gradient, but an unsplit collective on the critical path",
+           find="            grad_w = sum(ring_all_gather_matmul(x_saved, weight_grad, ctx.group)[0])\n",
+           replace="            front = x_saved.transpose(0, 1).contiguous()\n"
+                   "            gathered = front.new_empty((n * front.shape[0], *front.shape[1:]))\n"
+                   "            dist.all_gather_into_tensor(gathered, front, group=ctx.group)\n"
+                   "            grad_w = grad_y.flatten(0, 1).t() @ gathered.transpose(0, 1).flatten(0, 1)\n"),
     # compress.matmul_rs
     Mutant("compress.matmul_rs", "wait_before_matmul", "waits for the incoming sum before computing the next partial: no overlap",
            find="        part = partial(chunk)  # computed while the previous running sum travels\n"
