@@ -199,7 +199,8 @@ MUTANTS += [
            "also keeps the gathered x on ctx \"for reuse\": the trace and the gradients are right, the memory N times the shard",
            find="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n",
            replace="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n"
-                   "        ctx.gathered = torch.cat(chunks, dim=1)\n"),
+                   "        if regather:\n"
+                   "            ctx.gathered = torch.cat(chunks, dim=1)\n"),
     Mutant("compress.ag_matmul", "regather_saves_gathered", "regather=True still saves the gathered x and skips the "
            "re-gather: the old memory under the new name",
            find="        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n",
