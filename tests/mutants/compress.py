@@ -180,10 +180,10 @@ MUTANTS += [
                    "    return outputs, chunks\n"
                    "    held, owner = x_local.contiguous(), me\n    for step in range(n):\n        pending = start_exchange("),
     Mutant("compress.ag_matmul", "extra_check_gather", "all-gathers x once more \"to check\" the ring's result: twice the bytes",
-           find="        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n",
+           find="        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n",
            replace="        check = x_local.new_empty((dist.get_world_size(group) * x_local.shape[0], *x_local.shape[1:]))\n"
                    "        dist.all_gather_into_tensor(check, x_local.contiguous(), group=group)\n"
-                   "        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n"),
+                   "        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n"),
     Mutant("compress.ag_matmul", "no_reduce_in_backward", "backward keeps only its own chunk's grad_y W_r: the other ranks' contributions to grad_x are lost",
            find="        grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk\n",
            replace="        grad_x = grads[dist.get_rank(ctx.group)] @ weight\n"),
