@@ -714,10 +714,10 @@ class AllGatherMatmul(torch.autograd.Function):
     Backward: grad_x = the reduce-scatter of grad_y W_r along the sequence, decomposed
     (``ring_matmul_reduce_scatter``, partial(c) = chunk c of grad_y times W_r); grad_W =
     grad_y^T x over all B·T rows: with ``regather``, x all-gathered again by
-    ``ring_all_gather_matmul`` whose matmul is the chunk's share of grad_W, (grad_y chunk c)^T
-    (x chunk c), each computed while the next chunk travels (the ring calls it in step order:
-    at step s it holds the chunk of rank (r - s) mod N), summed; grad_b = grad_y summed over
-    B and T.
+    ``ring_all_gather_matmul`` whose matmul adds the chunk's share of grad_W, (grad_y chunk
+    c)^T (x chunk c), into one grad_W buffer (not N weight-sized partials kept for a sum),
+    each while the next chunk travels (the ring calls it in step order: at step s it holds the
+    chunk of rank (r - s) mod N); grad_b = grad_y summed over B and T.
     """
 
     @staticmethod
@@ -731,19 +731,19 @@ class AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        # BEGIN SOLUTION compress.ag_matmul: grad_x by ring_matmul_reduce_scatter of (grad_y chunk c) @ weight; grad_w = grad_y^T x (rows flattened), with regather the sum over a ring_all_gather_matmul of the saved shard of (grad_y chunk c)^T (x chunk c), c = r - s at step s; grad_b = grad_y summed over B, T
+        # BEGIN SOLUTION compress.ag_matmul: grad_x by ring_matmul_reduce_scatter of (grad_y chunk c) @ weight; grad_w = grad_y^T x (rows flattened), with regather a ring_all_gather_matmul of the saved shard whose matmul adds (grad_y chunk c)^T (x chunk c) into one grad_w, c = r - s at step s; grad_b = grad_y summed over B, T
         x_saved, weight = ctx.saved_tensors
         n = dist.get_world_size(ctx.group)
         grads = _sequence_chunks(grad_y, n)
         grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk
-        if ctx.regather:  # x gathered again; each chunk's share of grad_W computed while the next travels
-            me, steps = dist.get_rank(ctx.group), iter(range(n))
+        if ctx.regather:  # x gathered again; each chunk's share of grad_W added while the next travels
+            me, steps, grad_w = dist.get_rank(ctx.group), iter(range(n)), torch.zeros_like(weight)
 
-            def weight_grad(chunk):
+            def add_weight_grad(chunk):
                 c = (me - next(steps)) % n  # step s holds the chunk of rank r - s
-                return grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1)
+                grad_w.add_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))
 
-            grad_w = sum(ring_all_gather_matmul(x_saved, weight_grad, ctx.group)[0])
+            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)
         else:
             grad_w = grad_y.flatten(0, 1).t() @ x_saved.flatten(0, 1)
         grad_b = grad_y.sum(dim=(0, 1)) if ctx.has_bias else None

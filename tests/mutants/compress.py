@@ -209,14 +209,18 @@ MUTANTS += [
            "(the ring counted the wrong way): grad_W wrong for N >= 3",
            find="                c = (me - next(steps)) % n  # step s holds the chunk of rank r - s\n",
            replace="                c = (me + next(steps)) % n\n"),
+    Mutant("compress.ag_matmul", "regather_overwrites", "each chunk's share of grad_W overwrites the buffer instead of "
+           "adding to it: only the last chunk's rows count",
+           find="                grad_w.add_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))\n",
+           replace="                grad_w.copy_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))\n"),
     Mutant("compress.ag_matmul", "regather_then_matmul", "re-gathers x on the ring with nothing to compute per chunk, "
            "then one grad_W matmul: the re-gather's transfers are not overlapped",
-           find="            grad_w = sum(ring_all_gather_matmul(x_saved, weight_grad, ctx.group)[0])\n",
+           find="            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)\n",
            replace="            gathered = torch.cat(ring_all_gather_matmul(x_saved, lambda chunk: chunk, ctx.group)[1], dim=1)\n"
                    "            grad_w = grad_y.flatten(0, 1).t() @ gathered.flatten(0, 1)\n"),
     Mutant("compress.ag_matmul", "regather_builtin", "re-gathers x with one dist.all_gather_into_tensor: right "
            "gradient, but an unsplit collective on the critical path",
-           find="            grad_w = sum(ring_all_gather_matmul(x_saved, weight_grad, ctx.group)[0])\n",
+           find="            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)\n",
            replace="            front = x_saved.transpose(0, 1).contiguous()\n"
                    "            gathered = front.new_empty((n * front.shape[0], *front.shape[1:]))\n"
                    "            dist.all_gather_into_tensor(gathered, front, group=ctx.group)\n"
