@@ -835,7 +835,7 @@ def test_topk_on_chapter02_ddp(world_size):
 # posted before a matmul and waited on after it (``assert_overlap`` on the timeline of the
 # matmuls: event order, not time). Bad shapes raise ValueError with nothing traced. At N = 3 and
 # 4 also over every subgroup (a 2 x 2 grid's rows and columns; {0, 2} and {1}), float64 and
-# float32: peers are the group's next and previous members (global ranks).
+# float32 (without bias): peers are the group's next and previous members (global ranks).
 # compress.ag_matmul runs all of it twice: as it is (the gathered x saved for backward) and with
 # ``regather=True`` (Megatron-LM: only the shard saved, x all-gathered again in backward, each
 # chunk's share of grad_W computed while the next chunk travels). The backward trace is then two
@@ -862,10 +862,10 @@ def cm_seeded(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def cm_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
+def cm_linear(in_features: int, out_features: int, seed: int, bias: bool = True) -> nn.Linear:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Linear(in_features, out_features).double()
+        return nn.Linear(in_features, out_features, bias=bias).double()
 
 
 def _gather_sequence(x):
@@ -966,11 +966,12 @@ def on_subgroups(column: bool) -> None:
                                                                 (False, True) if column else (None,)):
         size, me = len(members), members.index(rank)
         what = (f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, over the group {members}, "
-                f"{dtype}" + (f", regather={regather}" if column else ""))
+                f"{dtype}{'' if dtype == torch.float64 else ', no bias'}" + (f", regather={regather}" if column else ""))
         tol = CM_TOL if dtype == torch.float64 else 1e-5
         t, width = CM_T // size, CM_HIDDEN // size
         rows, cols = slice(me * t, (me + 1) * t), slice(me * width, (me + 1) * width)
-        full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5)
+        bias = dtype == torch.float64  # float32 layers without bias: backward returns no bias gradient
+        full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4, bias=bias) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5, bias=bias)
         full = full.to(dtype)
         layer = (AllGatherColumnLinear.from_linear(full, group, regather=regather) if column
                  else MatmulReduceScatterLinear.from_linear(full, group))
@@ -1000,6 +1001,8 @@ def on_subgroups(column: bool) -> None:
                      rtol=tol, atol=tol)
         assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
                      f"{what}: grad weight vs one process", rtol=tol, atol=tol)
+        if bias and column:
+            assert_close(layer.bias.grad, full.bias.grad[cols], f"{what}: grad bias vs one process", rtol=tol, atol=tol)
 
 
 def ag_matmul_on_rank() -> None:

@@ -276,6 +276,10 @@ EQUIVALENT = {
     "compress.topk/swap/d21dc1fc": "topk_count(ratio, numel) for topk_count(numel, ratio): it is max(1, int(ratio x numel)), "
                                    "symmetric in its two arguments",
     "compress.topk/int/f29abaa6": "index_add_ along dim -1 of the 1-D buffer is dim 0",
+    "compress.ag_matmul/group/0372c009": "start_exchange(..., None) in the ring: P2POp's peers are global ranks, so the "
+                                         "same message goes to the same rank over the world group instead of the "
+                                         "subgroup; same bytes, same result (labkit.comm.Op identifies a send or "
+                                         "receive by its peer alone for that reason)",
     "compress.ag_matmul/drop_call/4edf6698": "x_local without .contiguous(): start_exchange sends tensor.contiguous() "
                                              "itself, and F.linear and torch.cat take any strides",
 }
