@@ -608,6 +608,11 @@ def hierarchical_bytes(numel: int, element_size: int, nodes: int, ranks_per_node
 # The backward of each is the other: the gradient of an all-gather-matmul's input is a
 # matmul-reduce-scatter of grad_y W_r (every rank used every chunk), and that of a
 # matmul-reduce-scatter's input an all-gather-matmul of grad_y.
+# The weight gradient of the all-gather side needs the whole gathered x: keeping it costs N
+# times the shard until backward. ``regather=True`` keeps the shard and runs the ring
+# all-gather again in backward, each chunk's share of grad_W computed while the next travels
+# (Megatron-LM's choice with sequence parallelism; chapter 07): 1/N of the memory, one more
+# all-gather's bytes per step.
 #
 # Tasks (run ``labkit grade compress``):
 #     compress.ag_matmul   ring_all_gather_matmul, AllGatherMatmul (forward, backward)
@@ -644,7 +649,8 @@ def ring_all_gather_matmul(x_local: torch.Tensor, matmul, group=None):
     Step s = 0..N-1: this rank holds the chunk of rank (r - s) mod N. Unless it is the last
     step, post its exchange (send it to the next rank, receive from the previous one:
     ``start_exchange`` with ``ring_peers``); multiply it; then wait: the next chunk arrived
-    while this one was multiplied. N - 1 exchanges of one chunk each.
+    while this one was multiplied. N - 1 exchanges of one chunk each. ``matmul`` is called once
+    per step, in step order (``AllGatherMatmul``'s re-gather relies on it).
     """
     # BEGIN SOLUTION compress.ag_matmul: N steps: post the exchange of the chunk in hand (not on the last), record chunk and matmul(chunk) at its owner's index, wait, take the received chunk (owner r - s - 1)
     n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -701,31 +707,47 @@ class AllGatherMatmul(torch.autograd.Function):
     (sequence chunk r), weight W_r [out/N, in], bias b_r [out/N] or None -> [B, T, out/N].
 
     Forward: ``ring_all_gather_matmul`` with ``F.linear`` per chunk; the output is the chunks'
-    outputs in rank order along dim 1. Save the gathered x (the weight gradient needs every
-    chunk) and the weight.
+    outputs in rank order along dim 1. Save the weight, and for the weight gradient (it needs
+    every chunk): the gathered x (``regather=False``: N times the shard kept until backward),
+    or only x_local (``regather=True``, Megatron-LM's choice with sequence parallelism: the
+    shard kept, x gathered again in backward).
     Backward: grad_x = the reduce-scatter of grad_y W_r along the sequence, decomposed
     (``ring_matmul_reduce_scatter``, partial(c) = chunk c of grad_y times W_r); grad_W =
-    grad_y^T x over all B·T rows; grad_b = grad_y summed over B and T.
+    grad_y^T x over all B·T rows: with ``regather``, x all-gathered again by
+    ``ring_all_gather_matmul`` whose matmul adds the chunk's share of grad_W, (grad_y chunk
+    c)^T (x chunk c), into one grad_W buffer (not N weight-sized partials kept for a sum),
+    each while the next chunk travels (the ring calls it in step order: at step s it holds the
+    chunk of rank (r - s) mod N); grad_b = grad_y summed over B and T.
     """
 
     @staticmethod
-    def forward(ctx, x_local, weight, bias, group):
-        # BEGIN SOLUTION compress.ag_matmul: ring_all_gather_matmul(x_local, F.linear with weight and bias); save the gathered x (cat of the chunks) and weight; cat the outputs along dim 1
+    def forward(ctx, x_local, weight, bias, group, regather=False):
+        # BEGIN SOLUTION compress.ag_matmul: ring_all_gather_matmul(x_local, F.linear with weight and bias); save x_local if regather else the gathered x (cat of the chunks), and weight; cat the outputs along dim 1
         outputs, chunks = ring_all_gather_matmul(x_local, lambda chunk: F.linear(chunk, weight, bias), group)
-        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)
+        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather
         return torch.cat(outputs, dim=1)
         # END SOLUTION
 
     @staticmethod
     def backward(ctx, grad_y):
-        # BEGIN SOLUTION compress.ag_matmul: grad_x by ring_matmul_reduce_scatter of (grad_y chunk c) @ weight; grad_w = grad_y^T x (rows flattened); grad_b = grad_y summed over B, T
-        x_full, weight = ctx.saved_tensors
-        grads = _sequence_chunks(grad_y, dist.get_world_size(ctx.group))
+        # BEGIN SOLUTION compress.ag_matmul: grad_x by ring_matmul_reduce_scatter of (grad_y chunk c) @ weight; grad_w = grad_y^T x (rows flattened), with regather a ring_all_gather_matmul of the saved shard whose matmul adds (grad_y chunk c)^T (x chunk c) into one grad_w, c = r - s at step s; grad_b = grad_y summed over B, T
+        x_saved, weight = ctx.saved_tensors
+        n = dist.get_world_size(ctx.group)
+        grads = _sequence_chunks(grad_y, n)
         grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk
-        grad_w = grad_y.flatten(0, 1).t() @ x_full.flatten(0, 1)
+        if ctx.regather:  # x gathered again; each chunk's share of grad_W added while the next travels
+            me, steps, grad_w = dist.get_rank(ctx.group), iter(range(n)), torch.zeros_like(weight)
+
+            def add_weight_grad(chunk):
+                c = (me - next(steps)) % n  # step s holds the chunk of rank r - s
+                grad_w.add_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))
+
+            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)
+        else:
+            grad_w = grad_y.flatten(0, 1).t() @ x_saved.flatten(0, 1)
         grad_b = grad_y.sum(dim=(0, 1)) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
         # END SOLUTION
 
 
@@ -773,16 +795,19 @@ def _check_sequence_input(x: torch.Tensor, features: int, n: int, what: str, who
 class AllGatherColumnLinear(ColumnParallelLinear):
     """A chapter-05 ``ColumnParallelLinear`` (the same weight slice, from ``from_linear``)
     whose input is sequence-parallel: x [B, T/N, in] -> [B, T, out/N], the all-gather of the
-    sequence overlapped with the matmul (``AllGatherMatmul``)."""
+    sequence overlapped with the matmul (``AllGatherMatmul``). ``regather=True`` keeps only the
+    input shard for backward and all-gathers it again there (``AllGatherMatmul``'s option):
+    activation memory 1/N of the gathered input's, for one more ring all-gather per step."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, regather: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
+        self.regather = regather
         if self.gather_output:
             raise ValueError("AllGatherColumnLinear: gather_output is not supported (the row layer takes the slice)")
 
     def forward(self, x):
         _check_sequence_input(x, self.in_features, dist.get_world_size(self.group), "AllGatherColumnLinear", False)
-        return AllGatherMatmul.apply(x, self.weight, self.bias, self.group)
+        return AllGatherMatmul.apply(x, self.weight, self.bias, self.group, self.regather)
 
 
 class MatmulReduceScatterLinear(RowParallelLinear):
@@ -807,11 +832,12 @@ class MatmulReduceScatterLinear(RowParallelLinear):
 class CollectiveMatmulMLP(nn.Module):
     """``labkit.models.MLP`` with tensor + sequence parallelism on collective matmuls: input and
     output are this rank's sequence chunk [B, T/N, n_embd]; c_fc all-gathers while it
-    multiplies, c_proj reduce-scatters while it multiplies."""
+    multiplies, c_proj reduce-scatters while it multiplies. ``regather``: c_fc keeps only its
+    input shard and gathers it again in backward (Megatron-LM)."""
 
-    def __init__(self, mlp, group=None):
+    def __init__(self, mlp, group=None, regather: bool = False):
         super().__init__()
-        self.c_fc = AllGatherColumnLinear.from_linear(mlp.c_fc, group)
+        self.c_fc = AllGatherColumnLinear.from_linear(mlp.c_fc, group, regather=regather)
         self.c_proj = MatmulReduceScatterLinear.from_linear(mlp.c_proj, group)
 
     def forward(self, x):

@@ -20,8 +20,10 @@ On every rank (``labkit/compress.py``), a small MLP under ``torch.nn.parallel.Di
 * your collective matmul (``CollectiveMatmulMLP``: an MLP block sequence-parallel on
   ``AllGatherColumnLinear`` and ``MatmulReduceScatterLinear``) against ``labkit.models.MLP`` in one
   process (float64, output and gradients); its traced communication (N-1 ring steps of one chunk per
-  collective: the unsplit collectives' bytes); every transfer in flight during a matmul; and the time
-  this rank spent in ``wait()`` for the column layer's all-gather, decomposed vs unsplit.
+  collective: the unsplit collectives' bytes); every transfer in flight during a matmul; the bytes
+  the column layer's forward keeps besides its input and output, with and without ``regather=True``
+  (measured by ``labkit.memory.PeakMemory``: N shards, or nothing beyond the shard), same gradients;
+  and the time this rank spent in ``wait()`` for the column layer's all-gather, decomposed vs unsplit.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
 """
@@ -294,7 +296,8 @@ def check_collective_matmul() -> dict:
     from types import SimpleNamespace
 
     from labkit.comm import assert_overlap
-    from labkit.compress import AllGatherMatmul, CollectiveMatmulMLP, WaitClock
+    from labkit.compress import AllGatherColumnLinear, AllGatherMatmul, CollectiveMatmulMLP, WaitClock
+    from labkit.memory import PeakMemory, tensor_bytes
     from labkit.models import MLP
     rank, n = dist.get_rank(), dist.get_world_size()
     t = CM_T // n
@@ -321,6 +324,18 @@ def check_collective_matmul() -> dict:
                 s for s in tracer.timeline if s.what != "compute" or s.op in ("mm", "addmm", "matmul")]), "")
         except AssertionError:
             overlap = False
+    kept, grads = {}, {}
+    for regather in (False, True):  # the column layer alone: what its forward keeps for backward
+        column = AllGatherColumnLinear.from_linear(block.c_fc, None, regather=regather)
+        shard = mine.detach().clone().requires_grad_()
+        with PeakMemory(column, shard) as mem:
+            before = mem.live_bytes()
+            out = column(shard)
+            kept[regather] = mem.live_bytes() - before - tensor_bytes(out)
+        out.sum().backward()
+        grads[regather] = (shard.grad, column.weight.grad)
+    regather_ok = kept == {False: n * chunk, True: 0} and all(
+        mismatch(a, b, 1e-12, 1e-12) is None for a, b in zip(grads[False], grads[True]))
 
     b, seq, embd = CM_TIMED  # exposed communication: the column layer's forward, time in wait()
     weight = torch.randn(4 * embd // n, embd, generator=torch.Generator().manual_seed(2))
@@ -337,7 +352,7 @@ def check_collective_matmul() -> dict:
             if i:  # the first round warms up
                 waited[name].append(clock.seconds)
     return dict(equal=all(e is None for e in errors), ring=ring, overlap=overlap, chunk=chunk,
-                events=len(tracer.events), waited=waited)
+                events=len(tracer.events), waited=waited, kept=kept, regather_ok=regather_ok)
 
 
 def report_collective_matmul(results) -> bool:
@@ -348,6 +363,8 @@ def report_collective_matmul(results) -> bool:
     print(f"\ncollective matmul: an MLP block (n_embd {CM_EMBD}), sequence-parallel on {n} rank(s), forward + backward:")
     print(f"  traced on rank 0: {first['events']} point-to-point messages of {first['chunk']:,} B "
           f"(4 collectives x {n - 1} ring steps, a send and a receive each)")
+    print(f"  the column layer's forward keeps {first['kept'][False]:,} B besides its input and output, "
+          f"{first['kept'][True]:,} B with regather=True (rank 0)")
     b, seq, embd = CM_TIMED
     # one run's exposed time is its slowest rank's; the median over the runs
     exposed = {name: statistics.median(max(times) for times in zip(*(r["cmm"]["waited"][name] for r in results)))
@@ -357,7 +374,9 @@ def report_collective_matmul(results) -> bool:
         print(f"    {name:20s} {seconds * 1e3:7.3f} ms")
     checks = {"output and gradients = labkit.models.MLP in one process (1e-12), every rank": all(r["cmm"]["equal"] for r in results),
               "only ring steps of one chunk: the unsplit collectives' bytes, every rank": all(r["cmm"]["ring"] for r in results),
-              "every transfer in flight during a matmul (traced order), every rank": all(r["cmm"]["overlap"] for r in results)}
+              "every transfer in flight during a matmul (traced order), every rank": all(r["cmm"]["overlap"] for r in results),
+              "regather=True: the column layer keeps nothing beyond its input shard (N shards without), same "
+              "gradients (1e-12), every rank": all(r["cmm"]["regather_ok"] for r in results)}
     ok = report_checks(checks)
     if n > 1:
         ours, theirs = exposed["collective matmul"], exposed["unsplit all-gather"]

@@ -63,6 +63,7 @@ As a DDP hook (several buckets), 3 steps of AdamW equal plain DDP.
 """
 
 import datetime
+import gc
 import itertools
 import time
 
@@ -834,14 +835,23 @@ def test_topk_on_chapter02_ddp(world_size):
 # posted before a matmul and waited on after it (``assert_overlap`` on the timeline of the
 # matmuls: event order, not time). Bad shapes raise ValueError with nothing traced. At N = 3 and
 # 4 also over every subgroup (a 2 x 2 grid's rows and columns; {0, 2} and {1}), float64 and
-# float32: peers are the group's next and previous members (global ranks).
-# compress.matmul_rs also runs ``CollectiveMatmulMLP`` against ``labkit.models.MLP``.
+# float32 (without bias): peers are the group's next and previous members (global ranks).
+# compress.ag_matmul runs all of it twice: as it is (the gathered x saved for backward) and with
+# ``regather=True`` (Megatron-LM: only the shard saved, x all-gathered again in backward, each
+# chunk's share of grad_W computed while the next chunk travels). The backward trace is then two
+# ring collectives (2(N - 1) sends and receives of one chunk), every transfer overlapped. What the
+# forward leaves alive besides its input and its output is measured (``labkit.memory.PeakMemory``:
+# live tensor bytes, after the tracer and its Work objects are gone): at most the gathered x,
+# B·T·in elements, without the option; nothing with it (the saved shard is the input itself).
+# compress.matmul_rs also runs ``CollectiveMatmulMLP`` against ``labkit.models.MLP``, with and
+# without ``regather``.
 
 from types import SimpleNamespace
 
 import torch.nn.functional as F
 
 from labkit.comm import assert_overlap, wire_bytes
+from labkit.memory import PeakMemory, tensor_bytes
 
 CM_B, CM_T, CM_EMBD, CM_HIDDEN = 2, 12, 6, 24  # T and the hidden size divide by N = 1, 2, 3, 4
 CM_STEPS, CM_LR, CM_TOL = 2, 0.1, 1e-12
@@ -852,10 +862,10 @@ def cm_seeded(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def cm_linear(in_features: int, out_features: int, seed: int) -> nn.Linear:
+def cm_linear(in_features: int, out_features: int, seed: int, bias: bool = True) -> nn.Linear:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Linear(in_features, out_features).double()
+        return nn.Linear(in_features, out_features, bias=bias).double()
 
 
 def _gather_sequence(x):
@@ -900,16 +910,42 @@ def ring_ops(message_bytes: int) -> list:
     return (n - 1) * [Op("send", message_bytes, peer=(rank + 1) % n), Op("recv", message_bytes, peer=(rank - 1) % n)]
 
 
-def check_ring(tracer, message_bytes: int, what: str) -> None:
+def check_ring(tracer, message_bytes: int, what: str, collectives: int = 1) -> None:
     n = dist.get_world_size()
-    assert_ops(tracer, ring_ops(message_bytes), f"{what}: the collective as N-1 = {n - 1} ring steps of one "
-                                                f"{message_bytes} B chunk (next rank out, previous rank in)")
+    assert_ops(tracer.events, ring_ops(message_bytes) * collectives,
+               f"{what}: {collectives} collective(s), each N-1 = {n - 1} ring steps of one {message_bytes} B chunk "
+               "(next rank out, previous rank in)")
     sent = sum(e.wire_bytes for e in tracer.events)
-    unsplit = wire_bytes("all_gather", n * message_bytes, n)  # = a reduce-scatter's of the same tensor
-    assert sent == unsplit, f"{what}: {sent} B sent, the unsplit ring collective sends {unsplit} B"
+    unsplit = collectives * wire_bytes("all_gather", n * message_bytes, n)  # = a reduce-scatter's of the same tensor
+    assert sent == unsplit, f"{what}: {sent} B sent, {collectives} unsplit ring collective(s) send {unsplit} B"
     matmuls_only = SimpleNamespace(events=tracer.events, timeline=[
         s for s in tracer.timeline if s.what != "compute" or s.op in MATMUL_OPS])
     assert_overlap(matmuls_only, f"{what}: each chunk's transfer must be in flight during a chunk's matmul")
+
+
+def traced_forward_kept(layer, x):
+    """(y, the forward's trace, the bytes it leaves alive besides its input x, its output y and
+    the layer's parameters): live tensor bytes measured (``PeakMemory``) once the tracer, which
+    holds the ring's Work objects and with them their buffers, is gone."""
+    with PeakMemory(layer, x) as mem:
+        before = mem.live_bytes()
+        with CommTracer() as tracer:
+            y = layer(x)
+    events, timeline = tracer.events, tracer.timeline
+    del tracer
+    gc.collect()
+    return y, SimpleNamespace(events=events, timeline=timeline), mem.live_bytes() - before - tensor_bytes(y)
+
+
+def check_kept(kept: int, regather: bool, gathered_bytes: int, what: str) -> None:
+    """regather: nothing kept but the input shard itself; without: at most the gathered x."""
+    if regather:
+        assert kept == 0, (f"{what}: the forward leaves {kept} B alive besides its input and output; with "
+                           f"regather=True it must keep only the input shard for backward (0 B more), not the "
+                           f"gathered x ({gathered_bytes} B), its chunks or a copy")
+    else:
+        assert kept <= gathered_bytes, (f"{what}: the forward leaves {kept} B alive besides its input and output; "
+                                        f"backward needs at most the gathered x, {gathered_bytes} B")
 
 
 def sgd(*params) -> None:
@@ -926,28 +962,38 @@ def on_subgroups(column: bool) -> None:
     process), forward and backward."""
     from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
     rank = dist.get_rank()
-    for (members, group), dtype in itertools.product(subgroups(), (torch.float64, torch.float32)):
+    for (members, group), dtype, regather in itertools.product(subgroups(), (torch.float64, torch.float32),
+                                                                (False, True) if column else (None,)):
         size, me = len(members), members.index(rank)
         what = (f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, over the group {members}, "
-                f"{dtype}")
+                f"{dtype}{'' if dtype == torch.float64 else ', no bias'}" + (f", regather={regather}" if column else ""))
         tol = CM_TOL if dtype == torch.float64 else 1e-5
         t, width = CM_T // size, CM_HIDDEN // size
         rows, cols = slice(me * t, (me + 1) * t), slice(me * width, (me + 1) * width)
-        full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5)
+        bias = dtype == torch.float64  # float32 layers without bias: backward returns no bias gradient
+        full = cm_linear(CM_EMBD, CM_HIDDEN, seed=4, bias=bias) if column else cm_linear(CM_HIDDEN, CM_EMBD, seed=5, bias=bias)
         full = full.to(dtype)
-        layer = (AllGatherColumnLinear if column else MatmulReduceScatterLinear).from_linear(full, group)
+        layer = (AllGatherColumnLinear.from_linear(full, group, regather=regather) if column
+                 else MatmulReduceScatterLinear.from_linear(full, group))
         seed = 60 + 7 * members[0] + len(members)  # each group its own input
         x = cm_seeded(CM_B, CM_T, full.in_features, seed=seed).to(dtype)
         upstream = cm_seeded(CM_B, CM_T, full.out_features, seed=seed + 1).to(dtype)
         mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
-        with CommTracer() as tracer:
-            y = layer(mine)
-            y.backward(upstream[..., cols] if column else upstream[:, rows])
         message = CM_B * t * CM_EMBD * x.element_size()
+        if column:
+            y, forward, kept = traced_forward_kept(layer, mine)
+            check_kept(kept, regather, size * message, what)
+        else:
+            with CommTracer() as forward:
+                y = layer(mine)
+        with CommTracer() as backward:
+            y.backward(upstream[..., cols] if column else upstream[:, rows])
         after_me, before_me = members[(me + 1) % size], members[(me - 1) % size]
-        assert_ops(tracer, 2 * (size - 1) * [Op("send", message, peer=after_me), Op("recv", message, peer=before_me)],
-                   f"{what}: forward and backward, {size - 1} ring steps each: to the next member (global rank "
-                   f"{after_me}), from the previous one ({before_me})")
+        rings = 3 if regather else 2
+        assert_ops(forward.events + backward.events,
+                   rings * (size - 1) * [Op("send", message, peer=after_me), Op("recv", message, peer=before_me)],
+                   f"{what}: forward and backward, {rings} ring collectives of {size - 1} steps: to the next member "
+                   f"(global rank {after_me}), from the previous one ({before_me})")
         y_one = full(one)
         y_one.backward(upstream)
         assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process", rtol=tol, atol=tol)
@@ -955,6 +1001,8 @@ def on_subgroups(column: bool) -> None:
                      rtol=tol, atol=tol)
         assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
                      f"{what}: grad weight vs one process", rtol=tol, atol=tol)
+        if bias and column:
+            assert_close(layer.bias.grad, full.bias.grad[cols], f"{what}: grad bias vs one process", rtol=tol, atol=tol)
 
 
 def ag_matmul_on_rank() -> None:
@@ -966,20 +1014,23 @@ def ag_matmul_on_rank() -> None:
     with pytest.raises(ValueError):
         AllGatherColumnLinear.from_linear(full, None, gather_output=True)
     layer = AllGatherColumnLinear.from_linear(full, None)
-    ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
     for bad in (torch.zeros(CM_B, t, CM_EMBD + 1, dtype=torch.float64), torch.zeros(t, CM_EMBD, dtype=torch.float64)):
         with CommTracer() as tracer, pytest.raises(ValueError):
             layer(bad)
         assert not tracer.events, f"compress.ag_matmul: rank {rank}: input {tuple(bad.shape)}: refuse before communicating"
     chunk_bytes = CM_B * t * CM_EMBD * 8
-    for step in range(CM_STEPS):
-        what = f"compress.ag_matmul: rank {rank} of {n}, step {step + 1}"
+    for regather, step in itertools.product((False, True), range(CM_STEPS)):
+        if step == 0:  # each variant from the same seeded layer
+            full = cm_linear(CM_EMBD, CM_HIDDEN, seed=1)
+            layer = AllGatherColumnLinear.from_linear(full, None, regather=regather)
+            ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
+        what = f"compress.ag_matmul: rank {rank} of {n}, regather={regather}, step {step + 1}"
         x = cm_seeded(CM_B, CM_T, CM_EMBD, seed=10 + step)
         upstream = cm_seeded(CM_B, CM_T, CM_HIDDEN, seed=20 + step)
         mine, ref, one = x[:, rows].clone().requires_grad_(), x[:, rows].clone().requires_grad_(), x.clone().requires_grad_()
-        with CommTracer() as forward:
-            y = layer(mine)
+        y, forward, kept = traced_forward_kept(layer, mine)
         check_ring(forward, chunk_bytes, f"{what}: forward (all-gather of x's chunks [{CM_B}, {t}, {CM_EMBD}])")
+        check_kept(kept, regather, n * chunk_bytes, what)
         y_ref = F.linear(UnsplitGather.apply(ref), ref_w, ref_b)
         y_one = full(one)
         assert_close(y, y_ref, f"{what}: output vs the same slice after one all-gather", rtol=CM_TOL, atol=CM_TOL)
@@ -987,7 +1038,8 @@ def ag_matmul_on_rank() -> None:
                      rtol=CM_TOL, atol=CM_TOL)
         with CommTracer() as backward:
             y.backward(upstream[..., cols])
-        check_ring(backward, chunk_bytes, f"{what}: backward (reduce-scatter of grad_x's chunks [{CM_B}, {t}, {CM_EMBD}])")
+        check_ring(backward, chunk_bytes, f"{what}: backward (reduce-scatter of grad_x's chunks [{CM_B}, {t}, {CM_EMBD}]"
+                   + (", and x all-gathered again)" if regather else ")"), collectives=2 if regather else 1)
         y_ref.backward(upstream[..., cols])
         y_one.backward(upstream)
         for name, got, unsplit, single in (("grad x", mine.grad, ref.grad, one.grad[:, rows]),
@@ -1048,24 +1100,31 @@ def matmul_rs_on_rank() -> None:
     with torch.random.fork_rng(devices=[]):  # the MLP block, sequence-parallel on both collective matmuls
         torch.manual_seed(3)
         block = MLP(SimpleNamespace(n_embd=CM_EMBD, bias=True)).double()
-    parallel = CollectiveMatmulMLP(block, None)
     x = cm_seeded(CM_B, CM_T, CM_EMBD, seed=50)
     upstream = cm_seeded(CM_B, CM_T, CM_EMBD, seed=51)
-    mine, one = x[:, rows].clone().requires_grad_(), x.clone().requires_grad_()
-    with CommTracer() as tracer:
-        y = parallel(mine)
-        y.backward(upstream[:, rows])
-    hidden_bytes = CM_B * t * CM_EMBD * 8
-    assert_ops(tracer, ring_ops(hidden_bytes) * 4, f"compress.matmul_rs: rank {rank}: CollectiveMatmulMLP forward and "
-               "backward: four collectives, each N-1 ring steps of one [B, T/N, n_embd] chunk")
-    y_one = block(one)
-    y_one.backward(upstream)
-    what = f"compress.matmul_rs: rank {rank} of {n}: CollectiveMatmulMLP vs labkit.models.MLP in one process"
-    assert_close(y, y_one[:, rows], f"{what}: output", rtol=CM_TOL, atol=CM_TOL)
-    assert_close(mine.grad, one.grad[:, rows], f"{what}: grad x", rtol=CM_TOL, atol=CM_TOL)
-    assert_close(parallel.c_fc.weight.grad, block.c_fc.weight.grad[cols], f"{what}: grad c_fc.weight", rtol=CM_TOL, atol=CM_TOL)
-    assert_close(parallel.c_proj.weight.grad, block.c_proj.weight.grad[:, cols], f"{what}: grad c_proj.weight",
-                 rtol=CM_TOL, atol=CM_TOL)
+    y_one, one = None, x.clone().requires_grad_()
+    for regather in (False, True):
+        parallel = CollectiveMatmulMLP(block, None, regather=regather)
+        mine = x[:, rows].clone().requires_grad_()
+        with CommTracer() as tracer:
+            y = parallel(mine)
+            y.backward(upstream[:, rows])
+        hidden_bytes = CM_B * t * CM_EMBD * 8
+        rings = 5 if regather else 4
+        assert_ops(tracer, ring_ops(hidden_bytes) * rings, f"compress.matmul_rs: rank {rank}: CollectiveMatmulMLP "
+                   f"(regather={regather}) forward and backward: {rings} collectives, each N-1 ring steps of one "
+                   "[B, T/N, n_embd] chunk")
+        if y_one is None:
+            y_one = block(one)
+            y_one.backward(upstream)
+        what = (f"compress.matmul_rs: rank {rank} of {n}: CollectiveMatmulMLP (regather={regather}) vs "
+                "labkit.models.MLP in one process")
+        assert_close(y, y_one[:, rows], f"{what}: output", rtol=CM_TOL, atol=CM_TOL)
+        assert_close(mine.grad, one.grad[:, rows], f"{what}: grad x", rtol=CM_TOL, atol=CM_TOL)
+        assert_close(parallel.c_fc.weight.grad, block.c_fc.weight.grad[cols], f"{what}: grad c_fc.weight",
+                     rtol=CM_TOL, atol=CM_TOL)
+        assert_close(parallel.c_proj.weight.grad, block.c_proj.weight.grad[:, cols], f"{what}: grad c_proj.weight",
+                     rtol=CM_TOL, atol=CM_TOL)
 
 
 @task("compress.ag_matmul", points=2)

@@ -180,10 +180,10 @@ MUTANTS += [
                    "    return outputs, chunks\n"
                    "    held, owner = x_local.contiguous(), me\n    for step in range(n):\n        pending = start_exchange("),
     Mutant("compress.ag_matmul", "extra_check_gather", "all-gathers x once more \"to check\" the ring's result: twice the bytes",
-           find="        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n",
+           find="        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n",
            replace="        check = x_local.new_empty((dist.get_world_size(group) * x_local.shape[0], *x_local.shape[1:]))\n"
                    "        dist.all_gather_into_tensor(check, x_local.contiguous(), group=group)\n"
-                   "        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n"),
+                   "        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n"),
     Mutant("compress.ag_matmul", "no_reduce_in_backward", "backward keeps only its own chunk's grad_y W_r: the other ranks' contributions to grad_x are lost",
            find="        grad_x = ring_matmul_reduce_scatter(lambda c: grads[c] @ weight, ctx.group)  # every rank used every chunk\n",
            replace="        grad_x = grads[dist.get_rank(ctx.group)] @ weight\n"),
@@ -195,6 +195,36 @@ MUTANTS += [
     Mutant("compress.ag_matmul", "world_ring", "takes its ring neighbours in the world, whatever group the layer is on",
            find="    to_rank, from_rank = ring_peers(group)\n    outputs, chunks = [None] * n, [None] * n\n",
            replace="    to_rank, from_rank = ring_peers(None)\n    outputs, chunks = [None] * n, [None] * n\n"),
+    Mutant("compress.ag_matmul", "regather_stashes_gathered", "with regather saves the shard and gathers it again, but "
+           "also keeps the gathered x on ctx \"for reuse\": the trace and the gradients are right, the memory N times the shard",
+           find="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n",
+           replace="        ctx.group, ctx.has_bias, ctx.regather = group, bias is not None, regather\n"
+                   "        if regather:\n"
+                   "            ctx.gathered = torch.cat(chunks, dim=1)\n"),
+    Mutant("compress.ag_matmul", "regather_saves_gathered", "regather=True still saves the gathered x and skips the "
+           "re-gather: the old memory under the new name",
+           find="        ctx.save_for_backward(x_local if regather else torch.cat(chunks, dim=1), weight)\n",
+           replace="        ctx.save_for_backward(torch.cat(chunks, dim=1), weight)\n"),
+    Mutant("compress.ag_matmul", "regather_owner_up_the_ring", "pairs the chunk held at step s with grad_y's chunk r + s "
+           "(the ring counted the wrong way): grad_W wrong for N >= 3",
+           find="                c = (me - next(steps)) % n  # step s holds the chunk of rank r - s\n",
+           replace="                c = (me + next(steps)) % n\n"),
+    Mutant("compress.ag_matmul", "regather_overwrites", "each chunk's share of grad_W overwrites the buffer instead of "
+           "adding to it: only the last chunk's rows count",
+           find="                grad_w.add_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))\n",
+           replace="                grad_w.copy_(grads[c].flatten(0, 1).t() @ chunk.flatten(0, 1))\n"),
+    Mutant("compress.ag_matmul", "regather_then_matmul", "re-gathers x on the ring with nothing to compute per chunk, "
+           "then one grad_W matmul: the re-gather's transfers are not overlapped",
+           find="            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)\n",
+           replace="            gathered = torch.cat(ring_all_gather_matmul(x_saved, lambda chunk: chunk, ctx.group)[1], dim=1)\n"
+                   "            grad_w = grad_y.flatten(0, 1).t() @ gathered.flatten(0, 1)\n"),
+    Mutant("compress.ag_matmul", "regather_builtin", "re-gathers x with one dist.all_gather_into_tensor: right "
+           "gradient, but an unsplit collective on the critical path",
+           find="            ring_all_gather_matmul(x_saved, add_weight_grad, ctx.group)\n",
+           replace="            front = x_saved.transpose(0, 1).contiguous()\n"
+                   "            gathered = front.new_empty((n * front.shape[0], *front.shape[1:]))\n"
+                   "            dist.all_gather_into_tensor(gathered, front, group=ctx.group)\n"
+                   "            grad_w = grad_y.flatten(0, 1).t() @ gathered.transpose(0, 1).flatten(0, 1)\n"),
     # compress.matmul_rs
     Mutant("compress.matmul_rs", "wait_before_matmul", "waits for the incoming sum before computing the next partial: no overlap",
            find="        part = partial(chunk)  # computed while the previous running sum travels\n"
@@ -246,6 +276,10 @@ EQUIVALENT = {
     "compress.topk/swap/d21dc1fc": "topk_count(ratio, numel) for topk_count(numel, ratio): it is max(1, int(ratio x numel)), "
                                    "symmetric in its two arguments",
     "compress.topk/int/f29abaa6": "index_add_ along dim -1 of the 1-D buffer is dim 0",
+    "compress.ag_matmul/group/0372c009": "start_exchange(..., None) in the ring: P2POp's peers are global ranks, so the "
+                                         "same message goes to the same rank over the world group instead of the "
+                                         "subgroup; same bytes, same result (labkit.comm.Op identifies a send or "
+                                         "receive by its peer alone for that reason)",
     "compress.ag_matmul/drop_call/4edf6698": "x_local without .contiguous(): start_exchange sends tensor.contiguous() "
                                              "itself, and F.linear and torch.cat take any strides",
 }
