@@ -685,7 +685,7 @@ def test_step_data_parallel_bytes_and_overlap():
     def link(size, stride):
         return cluster.nvlink if 4 % (size * stride) == 0 else cluster.network
     for layout in (Layout(dp=8, ep=2, zero=0), Layout(dp=4, ep=2, cp=2, zero=1), Layout(dp=8, ep=8, zero=2),
-                   Layout(dp=2, ep=2, cp=2, tp=2, zero=1)):
+                   Layout(dp=2, ep=2, cp=2, tp=2, zero=1), Layout(dp=4, ep=2, pp=2, zero=0)):
         st = step_time(moe, layout, cluster, 8 * layout.dp)
         dense, experts = parameters_per_gpu(moe, layout, 0)
         tp, cp, pp = layout.tp, layout.cp, layout.pp
@@ -731,10 +731,19 @@ def test_step_memory_parameters_and_zero():
                 _close(got[part], want, f"perf.step: ZeRO-{zero} rank {rank}: {part}")
             _close(got["activations"], ref["activations"], f"perf.step: ZeRO-{zero}: activations")
             _close(got["total"], got["params"] + got["grads"] + got["optimizer"] + got["activations"], "total")
+    # the last rank of a 1F1B pipeline holds one micro-batch (no warm-up), plus its fp32 logits, both split
+    # over tp (sequence parallel, vocabulary-parallel output) and cp
+    from labkit import budget
+    from labkit.perf import layers_on_rank
+    s, b = model.seq, base.microbatch
+    want = budget.korthikanti_activation_bytes(layers_on_rank(model, base, 1)[0], s, model.hidden, model.heads,
+                                               micro=b, tp=2, cp=2, held=1) + 4 * (s / 2) * b * model.vocab / 2
+    _close(memory_per_gpu(model, base, 32, 1)["activations"], want,
+           f"perf.step: {base}: the last rank's activations and fp32 logits")
     # fits: the fullest rank against the GPU's memory, both ways; step_time's memory is the fullest rank's
     layout = Layout(dp=2, tp=2, pp=2, zero=1, microbatch=2, recompute="selective")
     fullest = max(memory_per_gpu(model, layout, 16, r)["total"] for r in range(2))
-    for memory, fits in ((fullest * 1.001, True), (fullest * 0.999, False)):
+    for memory, fits in ((fullest * 1.001, True), (fullest, True), (fullest * 0.999, False)):
         st = step_time(model, layout, _cluster(memory=memory), 16)
         _close(st.memory, fullest, f"perf.step: {layout}: memory")
         assert st.fits == fits, f"perf.step: {layout}: {st.memory:.4g} bytes on a {memory:.4g}-byte GPU, fits={st.fits}"

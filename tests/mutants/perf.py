@@ -216,3 +216,10 @@ MUTANTS += [
            find="(s, v) for s in schedules for v in ((1,) if s != \"interleaved\" else virtual)",
            replace="(s, v) for s in schedules for v in ((1,) if s != \"interleaved\" else ())"),
 ]
+
+EQUIVALENT.update({
+    "perf.step/swap/318e9f63": "min(pp - rank, m) and min(m, pp - rank) are the same value",
+    "perf.step/swap/3cfe7680": "min(a, b) and min(b, a) are the same value (interleaved in-flight chunks)",
+    "perf.step/swap/686b59ec": "mfu divides by gpus x peak_flops: swapping the two factors changes nothing",
+    "perf.step/int/aa239d61": "size < 1 instead of size < 2: a group of one rank costs 0 in group_time anyway",
+})
