@@ -199,7 +199,8 @@ class Plan:
     """What ``validate`` runs (defaults: network time dominates at 100 Mbit/s, compute is tens of
     ms, one launch takes about 30-40 s on a loaded 2-core machine)."""
     bandwidth: str = "100mbit"
-    repeats: int = 5                       # measured steps per layout (after one warm-up), interleaved
+    repeats: int = 7                       # measured steps per layout (after one warm-up), interleaved: the median
+    #                                        of 7 stands 3 hiccups (a 200 ms TCP stall now and then on a loaded box)
     # the fit (chapter 00, from whole all-reduces on 2 ranks: per step, S/2 bytes in t/2 seconds)
     inside_sizes: tuple = (1 << 10, 1 << 16, 1 << 20, 1 << 22)   # all-reduce bytes, ranks 0 and 1 (one node):
     #   from one number per token (TP's loss) to the hierarchical reduce-scatter; alpha from the smallest
