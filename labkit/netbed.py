@@ -210,10 +210,10 @@ class Plan:
     shared_sizes: tuple = (1 << 20, 1 << 21, 1 << 22)    # both pairs (0, 2) and (1, 3) at once: 2 flows per link
     shared_repeats: int = 3
     allreduce_bytes: int = 8 << 20         # (a): 8 MiB of fp32
-    # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 1 MiB of fp32
+    # (b) PP vs TP across two nodes (one rank each): activations [batch, seq, n_embd] = 2 MiB of fp32 (PP: ~0.4 s a step)
     seq_gpt: tuple = (("vocab_size", 64), ("block_size", 32), ("n_layer", 2), ("n_head", 2), ("n_embd", 32),
                       ("tie_weights", False))
-    seq_batch: int = 256
+    seq_batch: int = 512
     microbatches: int = 2
     # (c) TP inside x DP across vs DP over all four: gradients of ~1.6 M parameters, few tokens
     grid_gpt: tuple = (("vocab_size", 64), ("block_size", 16), ("n_layer", 2), ("n_head", 2), ("n_embd", 256),
