@@ -95,10 +95,15 @@ def calibrate(nodes: int = 2, ranks_per_node: int = 2, bandwidth: str = "1gbit",
 # * a collective: the ring formulas (``collective_time``: 2(N-1) steps of S/N for an all-reduce,
 #   N-1 for a reduce-scatter or all-gather), each step one message on the slowest link it uses;
 # * a node has ONE link to the switch (no rails): k flows crossing it at once in one direction
-#   share it, each at bandwidth / k;
-# * compute: measured on the bed (the same step with every collective a no-op, all ranks at once),
-#   added where it sits on the critical path (TP, DP: after or between the collectives; PP: the
-#   flow-shop of chapter 06's GPipe schedule, where the link is one more stage).
+#   share it; for k = 2 the per-flow link is fitted on the bed too ("across_shared": both pairs
+#   of ranks all-reducing at once; TCP flows share the token bucket at ~0.93-0.99 of half), else
+#   bandwidth / k;
+# * compute: measured on the bed, in the measured steps themselves: the time outside their
+#   all-reduces (TP, DP) or the F and B actions of the pipeline runner's trace (PP), added where it
+#   sits on the critical path (TP, DP: between/after the collectives; PP: the flow shop of chapter
+#   06's GPipe schedule, where the link is one more stage);
+# * the bed: 100 Mbit/s between nodes, so network time dominates (compute is 1-5 % of a step);
+#   the ranks run at nice -10 and TCP does not restart slow after idle inside the node namespaces.
 
 import math
 import os
