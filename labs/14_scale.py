@@ -22,7 +22,7 @@ Chapter 14 is arithmetic more than communication; the ranks share what is measur
   every prediction is within +-15 % of the published throughput or carries its written reason;
   your ``search_layouts`` ranks each published layout in its top three, or the reason is written.
 * ``--emulated``: chapter 14's runs on nodes emulated with network namespaces and tc
-  (``labkit.netbed.validate``): every measured step within +-25 % of the model calibrated on the
+  (``labkit.course.emulated.validate``): every measured step within +-25 % of the model calibrated on the
   same bed, and the model picks each experiment's winner. Needs root; otherwise one sentence says why.
 
 Rank 0 prints; the exit status is 1 if a check fails or a task is not implemented yet.
@@ -238,7 +238,7 @@ def report_published() -> dict[str, bool]:
 
 
 def report_emulated(wanted: bool) -> dict[str, bool]:
-    from labkit import netbed
+    from labkit.course import emulated as netbed  # validate() and the bed's names
     print("\n4. Emulated nodes")
     if not wanted:
         print("   skipped: run with --emulated (root only; a few minutes)")

@@ -161,7 +161,7 @@ def test_unavailable_says_why(monkeypatch):
     from labkit.course.bench.ch11_compress import hierarchical_emulated_row
     line = hierarchical_emulated_row()
     assert line.startswith("hierarchical_emulated: skipped: ") and "need root" in line, line
-    from labkit import netbed as lab_netbed
+    from labkit.course import emulated as lab_netbed
     with pytest.raises(netbed.NetbedUnavailable, match="need root"):
         lab_netbed.validate()
 
@@ -172,7 +172,7 @@ def test_unavailable_says_why(monkeypatch):
 def test_predictions_are_the_ring_formulas_per_link_class():
     """The arithmetic ``validate`` compares with, on made-up links (no bed needed): inside
     alpha 10 us at 1 GB/s, across alpha 100 us at 10 MB/s."""
-    from labkit import netbed as lab_netbed
+    from labkit.course import emulated as lab_netbed
     links = lab_netbed.links_of({"inside": (1e-5, 1e-9), "across": (1e-4, 1e-7)})
     S = 4 << 20
     got = lab_netbed.predict_all_reduce(S, links)
@@ -205,7 +205,7 @@ def test_the_model_calibrated_on_the_bed_predicts_every_layout():
     fitted per link class, then hierarchical vs flat all-reduce, PP vs TP across the nodes,
     TP inside x DP across vs DP over all four. Every median step within +-25 % of its
     prediction, every winner predicted, and nothing of the bed left afterwards."""
-    from labkit import netbed as lab_netbed
+    from labkit.course import emulated as lab_netbed
     links_before = _host_links()
     result = lab_netbed.validate()
     table = result.table()

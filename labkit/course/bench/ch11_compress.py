@@ -109,7 +109,7 @@ def hierarchical_row(repeats: int = 5, world_size: int = 4) -> BenchRow:
 @row("hierarchical_emulated")
 def hierarchical_emulated_row(repeats: int = 5, world_size: int = 4):
     """your hierarchical all-reduce vs the flat ring on 2 emulated nodes x 2 ranks (always 4), 100 Mbit/s between nodes, against the alpha-beta model calibrated on the same bed"""
-    from labkit import netbed
+    from labkit.course import emulated as netbed  # validate() and the bed's names
     why = netbed.unavailable()
     if why:
         return f"hierarchical_emulated: skipped: {why}"
