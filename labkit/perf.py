@@ -69,7 +69,8 @@ class Model:
     inner width ``expert_ffn`` (None = ffn), ``top_k`` of them per token, ``shared_experts``
     always on, a router [hidden, experts]; the first ``dense_layers`` layers keep a dense FFN.
     ``tied``: the output layer is the token embedding. Biases, norms and learned position
-    embeddings are left out of every count (they are not matmuls: a few parts per million)."""
+    embeddings are left out of every count: none of them is a matmul, and in a large model they
+    are a few parts in ten thousand of the parameters (the course's tiny GPT is the exception)."""
     layers: int
     hidden: int
     heads: int
@@ -106,6 +107,7 @@ class Model:
     # shapes
     @property
     def kv_heads_(self) -> int:
+        """Key/value heads (``kv_heads``, else one per query head)."""
         return self.kv_heads or self.heads
 
     @property
@@ -252,9 +254,9 @@ HARDWARE: dict[str, Hardware] = {
     "H800": Hardware(
         "H800 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
         achieved_flops=794.5e12,
-        source="NVIDIA H800: the H100 SXM5's compute and HBM3 (989 TFLOP/s BF16 dense, 3.35 TB/s, 80 GB) with "
-               "NVLink cut to 400 GB/s (DeepSeek-V3 technical report, arXiv:2412.19437, section 3.1: 'H800'); "
-               "achieved: the H100 MAMF row, 794.5 TFLOP/s (same GH100 tensor cores)"),
+        source="NVIDIA H800 SXM5, the export variant of the H100 SXM5: its compute and HBM3 (989 TFLOP/s BF16 "
+               "dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
+               "arXiv:2412.19437, section 3.1); achieved: the H100 MAMF row, 794.5 TFLOP/s (same tensor cores)"),
 }
 
 
@@ -316,31 +318,34 @@ class Cluster:
     gpus_per_node: int = 8
     rails: bool = True
     name: str = ""
+    source: str = ""      # citation for every figure
 
 
 # alpha: NCCL's own cost model charges a few microseconds per step inside a node (src/graph/tuning.cc,
 # hwLat NVLink ring Simple 3.4 us) and chapter 00's orders of magnitude: a few us within a node, tens
 # of us across nodes (here 10 us). Bandwidths: one direction, per GPU.
 _NVLINK_ALPHA, _NET_ALPHA = 3.4e-6, 10e-6
+_ALPHA_SOURCE = ("alpha: orders of magnitude, not measured (NCCL's cost model, src/graph/tuning.cc, charges 3.4 us "
+                 "per NVLink ring step; chapter 00: a few us inside a node, tens across)")
 CLUSTERS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
-        HARDWARE["A100"], nvlink=Link(_NVLINK_ALPHA, 300e9), network=Link(_NET_ALPHA, 25e9), name="DGX A100"),
+        HARDWARE["A100"], nvlink=Link(_NVLINK_ALPHA, 300e9), network=Link(_NET_ALPHA, 25e9), name="DGX A100",
+        source="NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (300 each way), 8 x ConnectX-6 200 Gb/s "
+               "HDR InfiniBand, one per GPU (25 GB/s each way); " + _ALPHA_SOURCE),
     "dgx-h100": Cluster(
-        HARDWARE["H100"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H100"),
+        HARDWARE["H100"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H100",
+        source="NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (450 each way), 8 x ConnectX-7 400 Gb/s "
+               "NDR InfiniBand, one per GPU (50 GB/s each way); " + _ALPHA_SOURCE),
     "dgx-h200": Cluster(
-        HARDWARE["H200"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H200"),
+        HARDWARE["H200"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H200",
+        source="NVIDIA DGX H200 datasheet: NVLink 4 900 GB/s per GPU, 8 x ConnectX-7 400 Gb/s (as DGX H100); "
+               + _ALPHA_SOURCE),
     "h800": Cluster(
-        HARDWARE["H800"], nvlink=Link(_NVLINK_ALPHA, 160e9), network=Link(_NET_ALPHA, 50e9), name="DeepSeek H800"),
+        HARDWARE["H800"], nvlink=Link(_NVLINK_ALPHA, 160e9), network=Link(_NET_ALPHA, 50e9), name="DeepSeek H800",
+        source="DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
+               "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU; " + _ALPHA_SOURCE),
 }
-CLUSTER_SOURCES = {
-    "dgx-a100": "NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (300 each way), 8 x ConnectX-6 200 Gb/s "
-                "HDR InfiniBand, one per GPU (25 GB/s each way)",
-    "dgx-h100": "NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (450 each way), 8 x ConnectX-7 400 Gb/s "
-                "NDR InfiniBand, one per GPU (50 GB/s each way)",
-    "dgx-h200": "NVIDIA DGX H200 datasheet: NVLink 4 900 GB/s per GPU, 8 x ConnectX-7 400 Gb/s (as DGX H100)",
-    "h800": "DeepSeek-V3 technical report (arXiv:2412.19437), section 3.2.2: NVLink 160 GB/s, InfiniBand 50 GB/s "
-            "per GPU, 8 GPUs per node",
-}
+CLUSTER_SOURCES = {key: cluster.source for key, cluster in CLUSTERS.items()}
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = "ring") -> float:
@@ -390,6 +395,8 @@ def group_link(group_size: int, stride: int, cluster: Cluster) -> Link:
     as its network hop. With rails every GPU drives its own NIC; without, the node's GPUs that
     cross the network at once share its one NIC: min(stride, gpus_per_node) of them (one
     boundary hop per group, stride groups interleaved in a node)."""
+    if group_size < 1 or stride < 1:
+        raise ValueError(f"group_size and stride must be >= 1, got {group_size}, {stride}")
     # BEGIN SOLUTION perf.comm: inside a node iff gpus_per_node % (stride x group_size) == 0 -> nvlink; else network, bandwidth / min(stride, gpus_per_node) without rails
     if cluster.gpus_per_node % (stride * group_size) == 0:
         return cluster.nvlink
@@ -403,8 +410,6 @@ def group_link(group_size: int, stride: int, cluster: Cluster) -> Link:
 def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cluster, algo: str = "ring") -> float:
     """``collective_time`` of ``op`` on a group of ``group_size`` ranks ``stride`` apart, over
     the link ``group_link`` picks."""
-    if group_size < 1 or stride < 1:
-        raise ValueError(f"group_size and stride must be >= 1, got {group_size}, {stride}")
     return collective_time(op, nbytes, group_size, group_link(group_size, stride, cluster), algo)
 
 

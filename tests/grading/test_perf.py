@@ -342,7 +342,7 @@ def test_hardware_rows_cite_their_figures_and_a_measured_cpu_is_classified():
         start = time.perf_counter(); x.clone(); best_copy = min(best_copy, time.perf_counter() - start)
     cpu = Hardware("this CPU", peak_flops=2 * 512 ** 3 / best_mm, memory_bandwidth=2 * x.numel() * 4 / best_copy,
                    memory_bytes=1e9)
-    n = 2048  # a large matmul: intensity n/6 in fp32, far above a CPU's ridge point (tens of FLOPs per byte)
+    n = 8192  # a large matmul (not run): intensity n/6 = 1365 FLOPs/byte in fp32, ~100x a CPU's ridge point
     flops, nbytes = 2 * n ** 3, 3 * n * n * 4
     assert arithmetic_intensity(flops, nbytes) > ridge_point(cpu), \
         f"perf.roofline: a {n}^3 fp32 matmul ({flops / nbytes:.0f} FLOPs/byte) should be above this CPU's ridge ({ridge_point(cpu):.1f})"
@@ -414,6 +414,9 @@ def test_group_time_picks_the_link_of_the_group():
     dgx = CLUSTERS["dgx-h100"]
     nvlink, network = dgx.nvlink, dgx.network
     assert nvlink.bandwidth > network.bandwidth, "perf.comm: NVLink must be faster than the network"
+    for key, cluster in CLUSTERS.items():
+        assert f"{8 * cluster.network.bandwidth / 1e9:g} Gb/s" in cluster.source or \
+            f"IB {cluster.network.bandwidth / 1e9:g} GB/s" in cluster.source, f"perf.comm: CLUSTERS[{key!r}] must cite its network"
     no_rails = replace(dgx, rails=False)
     # (group_size, stride) -> the link, on 8 GPUs per node
     inside = [(8, 1), (4, 1), (2, 4), (4, 2), (2, 1), (1, 8)]            # blocks of stride x size that divide a node
@@ -445,8 +448,11 @@ def test_group_time_picks_the_link_of_the_group():
         "perf.comm: on 4-GPU nodes, 2 ranks 4 apart cross (4 GPUs share the NIC), 2 ranks 2 apart do not"
     # the slow link costs: an 8-way all-reduce across nodes is slower than inside one
     assert group_time("all_reduce", 1e9, 8, 8, dgx) > group_time("all_reduce", 1e9, 8, 1, dgx)
-    with pytest.raises(ValueError):
-        group_time("all_reduce", 1e6, 0, 1, dgx)
+    for size, stride in ((0, 1), (2, 0)):
+        with pytest.raises(ValueError):
+            group_time("all_reduce", 1e6, size, stride, dgx)
+        with pytest.raises(ValueError):
+            group_link(size, stride, dgx)
 
 
 # ============================================================ perf.step, perf.search (perf-B)
