@@ -29,6 +29,7 @@ two; the link class of groups of every stride inside and across nodes, with and 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 import types
@@ -466,13 +467,6 @@ def test_group_time_picks_the_link_of_the_group():
 # branches of the DP overlap, and for the search a brute force over every layout of a small
 # cluster. Tolerance: 1e-9 relative (pure float arithmetic, a few operations deep).
 
-import itertools as _it
-from dataclasses import replace as _replace
-
-import pytest as _pytest
-
-from labkit.course.grading import task as _task
-
 _REL = 1e-9
 
 
@@ -531,7 +525,7 @@ def _terms(st):
     return st.compute + st.recompute + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm + st.bubble + st.dp_exposed
 
 
-@_task("perf.step", points=3)
+@task("perf.step", points=3)
 def test_step_pipeline_matches_a_simulation_of_the_schedule():
     """For GPipe, 1F1B and interleaved (v = 1, 2, 4) over p = 2..4 and several m: the step's
     pipeline time (dp = 1: no DP term) equals the makespan of the schedule simulated with each
@@ -564,7 +558,7 @@ def test_step_pipeline_matches_a_simulation_of_the_schedule():
                 _close(got, want, f"{where}: activations of rank {rank}")
 
 
-@_task("perf.step", points=2)
+@task("perf.step", points=2)
 def test_step_compute_recompute_throughput_and_mfu():
     """Compute = the step's FLOPs (flops_per_token x every token) over all GPUs at the achieved
     FLOP/s (the peak when achieved is None); recompute = the extra FLOPs of the mode; tokens/s
@@ -597,7 +591,7 @@ def test_step_compute_recompute_throughput_and_mfu():
                     assert word in text, f"{where}: explain() does not mention {word!r}:\n{text}"
 
 
-@_task("perf.step", points=3)
+@task("perf.step", points=3)
 def test_step_communication_terms_on_the_right_links():
     """TP/SP, CP, PP and EP terms against chapter 00's alpha-beta times of the bytes chapters
     05, 06, 07 and 10 derive, on the link each group must use: a group inside a node (4 GPUs
@@ -646,7 +640,7 @@ def test_step_communication_terms_on_the_right_links():
                 _close(st.ep_comm, want, f"{where}: ep_comm")
 
 
-@_task("perf.step", points=3)
+@task("perf.step", points=3)
 def test_step_data_parallel_bytes_and_overlap():
     """DP/ZeRO/FSDP: the gradient (and parameter) traffic of the rank's parameters over dp x cp
     ranks (experts over dp x cp / ep): ZeRO-0 an all-reduce, 1 and 2 a reduce-scatter + an
@@ -697,7 +691,7 @@ def test_step_data_parallel_bytes_and_overlap():
         _close(st.dp_comm, want, f"perf.step: MoE {layout}: dp_comm")
 
 
-@_task("perf.step", points=2)
+@task("perf.step", points=2)
 def test_step_memory_parameters_and_zero():
     """Every rank's parameters, summed over the TP, EP and PP ranks of one replica, give back
     Model.params() (plus the output layer's own copy when a tied model is pipelined, and the
@@ -724,7 +718,7 @@ def test_step_memory_parameters_and_zero():
         _close(ref["params"], 2 * (dense + experts), f"perf.step: {base} rank {rank}: 16-bit parameters")
         _close(ref["optimizer"], 12 * (dense + experts), f"perf.step: {base} rank {rank}: AdamW state")
         for zero in (1, 2, 3):
-            got = memory_per_gpu(model, _replace(base, zero=zero), 32, rank)
+            got = memory_per_gpu(model, replace(base, zero=zero), 32, rank)
             for part, stage in (("optimizer", 1), ("grads", 2), ("params", 3)):
                 factor = 2 if part != "optimizer" else 12
                 want = factor * (dense / 8 + experts / 4) if zero >= stage else ref[part]
@@ -748,7 +742,7 @@ def test_step_memory_parameters_and_zero():
         _close(st.memory, fullest, f"perf.step: {layout}: memory")
         assert st.fits == fits, f"perf.step: {layout}: {st.memory:.4g} bytes on a {memory:.4g}-byte GPU, fits={st.fits}"
     # recomputation shrinks activations: full < selective < none
-    acts = [memory_per_gpu(model, _replace(layout, recompute=r), 16, 0)["activations"]
+    acts = [memory_per_gpu(model, replace(layout, recompute=r), 16, 0)["activations"]
             for r in ("none", "selective", "full")]
     assert acts[0] > acts[1] > acts[2], f"perf.step: activations none/selective/full = {acts}"
 
@@ -782,7 +776,7 @@ def _sp_block_traffic_on_rank():
 _SP_B, _SP_T, _SP_H, _SP_HEADS = 2, 8, 16, 4
 
 
-@_task("perf.step", points=2)
+@task("perf.step", points=2)
 def test_step_tp_traffic_equals_traced_sequence_parallel_block():
     """The TP/SP term against the traffic of a real sequence-parallel layer: torch's Megatron-SP
     plan on a course Block at tp = 2 (one launch), forward + backward, traced with CommTracer,
@@ -790,7 +784,7 @@ def test_step_tp_traffic_equals_traced_sequence_parallel_block():
     forward, and its collectives, again, as Megatron-LM does). On a link of alpha 0 and 1 byte/s, step_time's tp_comm for a 1-layer
     model of the block's shape is the bytes each rank sends (scaled from fp32 to the model's
     16-bit activations): every all-gather and reduce-scatter moves the B x T x H activation."""
-    from labkit.perf import Layout, Link, Model, step_time
+    from labkit.perf import Layout, Model, step_time
     from labkit.course.grading import run_graded
     traced = run_graded("perf.step", _sp_block_traffic_on_rank, 2)
     model = Model(layers=1, hidden=_SP_H, heads=_SP_HEADS, vocab=32, seq=_SP_T)
@@ -808,7 +802,7 @@ def test_step_tp_traffic_equals_traced_sequence_parallel_block():
                                      f"({len(events)} collectives)")
 
 
-@_task("perf.step", points=2)
+@task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks
     differ by at most one layer, every layer sits on exactly one rank, and the fullest rank
@@ -820,10 +814,10 @@ def test_step_uneven_stages():
     for model in (_dense(layers=7), _moe(layers=7, dense_layers=3)):
         for p, v, kind in ((2, 1, "1f1b"), (2, 2, "interleaved"), (4, 1, "1f1b"), (3, 2, "interleaved")):
             layout = Layout(pp=p, tp=2, virtual=v, schedule=kind, microbatch=2)
-            with _pytest.raises(ValueError, match="uneven"):
+            with pytest.raises(ValueError, match="uneven"):
                 step_time(model, layout, cluster, 12)
-                _pytest.fail(f"perf.step: {layout} accepted {model.layers} layers that pp x v does not divide")
-            layout = _replace(layout, uneven=True)
+                pytest.fail(f"perf.step: {layout} accepted {model.layers} layers that pp x v does not divide")
+            layout = replace(layout, uneven=True)
             where = f"perf.step: {model.name} with {model.layers} layers, {layout}"
             counts = [layers_on_rank(model, layout, r) for r in range(p)]
             # the chunks, in order: rank r holds chunks r, r + p, ...; sizes within one of each other
@@ -846,11 +840,11 @@ def test_step_uneven_stages():
             want = budget.korthikanti_activation_bytes(counts[0][0], model.seq, model.hidden, model.heads,
                                                        micro=layout.microbatch, tp=2, held=held)
             _close(memory_per_gpu(model, layout, batch, 0)["activations"], want, f"{where}: rank 0's activations")
-        with _pytest.raises(ValueError):
+        with pytest.raises(ValueError):
             step_time(model, Layout(pp=8, uneven=True), cluster, 8)       # an empty stage
 
 
-@_task("perf.step", points=1)
+@task("perf.step", points=1)
 def test_step_refuses_bad_layouts():
     """A layout that cannot run the model or the batch raises ValueError, naming the problem."""
     from labkit.perf import Layout, step_time
@@ -864,12 +858,12 @@ def test_step_refuses_bad_layouts():
            (Layout(schedule="interleaved"), 8, None, "pp"), (Layout(pp=4, schedule="interleaved"), 6, None, "multiple"),
            (Layout(dp=2, ep=4), 8, None, "ep"), (Layout(dp=4, ep=3), 12, None, "ep"), (Layout(), 0, None, "batch")]
     for layout, batch, gpus, word in bad:
-        with _pytest.raises(ValueError) as error:
+        with pytest.raises(ValueError) as error:
             step_time(model, layout, cluster, batch, gpus=gpus)
-            _pytest.fail(f"perf.step: {layout} with a batch of {batch} (gpus={gpus}) did not raise ValueError")
+            pytest.fail(f"perf.step: {layout} with a batch of {batch} (gpus={gpus}) did not raise ValueError")
         assert word.lower() in str(error.value).lower(), \
             f"perf.step: {layout} (batch {batch}, gpus {gpus}) raised {error.value!r}, which does not name {word!r}"
-    with _pytest.raises(ValueError):
+    with pytest.raises(ValueError):
         step_time(_dense(), Layout(dp=2, ep=2), cluster, 8)          # experts in a dense model
 
 
@@ -880,10 +874,10 @@ def _brute_force(model, cluster, gpus, batch, zeros, micro, schedules, virtuals,
     """Every Layout the search's limits allow, tried with step_time (ValueError: not a layout)."""
     from labkit.perf import Layout, step_time
     found = []
-    for dp, tp, pp, cp in _it.product(range(1, gpus + 1), repeat=4):
+    for dp, tp, pp, cp in itertools.product(range(1, gpus + 1), repeat=4):
         if dp * tp * pp * cp != gpus or cp > max_cp:
             continue
-        for ep, zero, b, schedule, v, r, cut in _it.product(range(1, dp + 1), zeros, micro, schedules,
+        for ep, zero, b, schedule, v, r, cut in itertools.product(range(1, dp + 1), zeros, micro, schedules,
                                                             (1,) + virtuals, recomputes, (False, True)[:1 + uneven]):
             if (schedule == "interleaved") != (v > 1):
                 continue
@@ -898,7 +892,7 @@ def _brute_force(model, cluster, gpus, batch, zeros, micro, schedules, virtuals,
     return found
 
 
-@_task("perf.search", points=3)
+@task("perf.search", points=3)
 def test_search_equals_brute_force():
     """On 8 GPUs in nodes of 4, for a dense and an MoE model: the search's ranking equals a
     brute force over every layout step_time accepts (the search's own conventions: one ZeRO
@@ -929,7 +923,7 @@ def test_search_equals_brute_force():
             where = f"perf.search: {model.name}, top={top}"
             if [l for l, _ in got] != [l for l, _ in want]:
                 i = next((i for i, (a, b) in enumerate(zip(got, want)) if a[0] != b[0]), min(len(got), len(want)))
-                _pytest.fail(f"{where}: {len(got)} layouts ranked, the brute force ranks {len(want)}; first difference "
+                pytest.fail(f"{where}: {len(got)} layouts ranked, the brute force ranks {len(want)}; first difference "
                              f"at place {i + 1}: {[str(l) for l, _ in got[i:i + 3]]}, the brute force "
                              f"{[(str(l), st.total, st.memory) for l, st in want[i:i + 3]]}")
             for (layout, st), (_, ref) in zip(got, want):
@@ -937,11 +931,11 @@ def test_search_equals_brute_force():
                 assert st.fits, f"{where}: {layout} does not fit ({st.memory:.3g} bytes)"
             best = min(st.total for _, st in everything)
             _close(got[0][1].total, best, f"{where}: the best layout's step vs the minimum over all valid layouts")
-    with _pytest.raises(ValueError):
+    with pytest.raises(ValueError):
         search_layouts(_dense(), _cluster(), 8, 8, top=0)
 
 
-@_task("perf.search", points=2)
+@task("perf.search", points=2)
 def test_search_candidates_are_every_valid_layout():
     """candidate_layouts yields every layout step_time accepts for the limits given, each once,
     and nothing else (besides the search's conventions: one ZeRO stage when dp x cp = 1, "1f1b"
@@ -958,10 +952,10 @@ def test_search_candidates_are_every_valid_layout():
         where = f"perf.search: {model.name} layers={model.layers} uneven={uneven}"
         assert len(got) == len(set(got)), f"{where}: candidate_layouts repeats layouts"
         want = set()
-        for dp, tp, pp, cp in _it.product(range(1, 13), repeat=4):
+        for dp, tp, pp, cp in itertools.product(range(1, 13), repeat=4):
             if dp * tp * pp * cp != 12:
                 continue
-            for ep, zero, b, schedule, v, cut in _it.product(range(1, dp + 1), (0, 3), (1, 2), _SCHEDULES_ALL,
+            for ep, zero, b, schedule, v, cut in itertools.product(range(1, dp + 1), (0, 3), (1, 2), _SCHEDULES_ALL,
                                                               (1, 2, 3), (False, True)):
                 if (schedule == "interleaved") != (v > 1) or (zero and dp * cp == 1) or (pp == 1 and schedule != "1f1b"):
                     continue
@@ -989,7 +983,7 @@ def test_search_candidates_are_every_valid_layout():
 _SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved")
 
 
-@_task("perf.search", points=2)
+@task("perf.search", points=2)
 def test_search_default_limits_and_the_winner():
     """With its default limits the search agrees with step_time on what it returns, never
     returns a layout that does not fit, returns nothing when nothing fits, and moves TP off a
