@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from labkit.runtime import netbed
+from tests.conftest import needs_solutions
 
 ROOT = Path(__file__).resolve().parent.parent
 WHY = netbed.unavailable()
@@ -169,6 +170,7 @@ def test_unavailable_says_why(monkeypatch):
 # ----------------------------------------------------------------------------- chapter 14: the model on the bed
 
 
+@needs_solutions  # chapter 14's model (labkit.perf) and chapter 11's hierarchy, reference solutions
 def test_predictions_are_the_ring_formulas_per_link_class():
     """The arithmetic ``validate`` compares with, on made-up links (no bed needed): inside
     alpha 10 us at 1 GB/s, across alpha 100 us at 10 MB/s."""
@@ -199,6 +201,7 @@ def test_predictions_are_the_ring_formulas_per_link_class():
     assert lab_netbed.predict_dp(4e6, 2, burst, "across", flows=2)["comm"] == pytest.approx(2 * (-5e-3 + 2e6 * 2e-7))
 
 
+@needs_solutions  # chapter 14's model (labkit.perf) and chapter 11's hierarchy, reference solutions
 @needs_bed
 def test_the_model_calibrated_on_the_bed_predicts_every_layout():
     """Chapter 14 on emulated nodes (2 x 2, 100 Mbit/s between nodes), one launch: alpha-beta

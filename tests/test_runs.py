@@ -8,6 +8,7 @@ import pytest
 
 perf = pytest.importorskip("labkit.perf")
 from labkit.course import runs as R  # noqa: E402
+from tests.conftest import needs_solutions  # noqa: E402
 
 
 @lru_cache(maxsize=None)
@@ -35,6 +36,7 @@ def test_layouts_cover_the_gpus_and_divide_the_batch():
         assert r.model.heads % lay.tp == 0, f"{r.name}: tp={lay.tp} does not divide {r.model.heads} heads"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_stated_parameter_counts_match_the_model_shapes():
     """perf.Model.params() leaves out biases, norms and position embeddings (and models MLA as
     plain attention): within half a unit of the paper's last digit plus 1%."""
@@ -45,6 +47,7 @@ def test_stated_parameter_counts_match_the_model_shapes():
         assert abs(got / stated - 1) <= tol, f"{r.name}: {got / 1e9:.2f}B vs stated {r.stated_params} (tol {tol:.1%})"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_every_stated_figure_agrees_with_the_others():
     """e.g. MT-NLG: 126 TFLOP/s x 2240 GPUs x 60.1 s = 1920 x 2048 tokens x Narayanan's FLOPs
     per token; Megatron-Core: TFLOP/s / 989 = the stated MFU; aggregate = per GPU x GPUs."""
@@ -56,6 +59,7 @@ def test_every_stated_figure_agrees_with_the_others():
     assert checked >= 20
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_figures_round_trip_through_tokens_per_gpu():
     for r in R.RUNS:
         tokens = R.published_tokens_per_gpu(r)
@@ -63,6 +67,7 @@ def test_figures_round_trip_through_tokens_per_gpu():
         assert 0.15 < R.published_mfu(r) < 0.6, f"{r.name}: published MFU {R.published_mfu(r):.2f} is implausible"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_narayanan_formula_is_perf_full_recompute_for_a_tied_gpt():
     """The A100 runs' TFLOP/s are hardware FLOPs with full recomputation: Narayanan et al.'s
     96 l h^2 (1 + s/6h + V/16lh) is perf.flops_per_token(model, 'full') for their models."""
@@ -73,6 +78,7 @@ def test_narayanan_formula_is_perf_full_recompute_for_a_tied_gpt():
             assert math.isclose(ours, theirs, rel_tol=1e-9), f"{r.name}: perf {ours:.4e} vs Narayanan {theirs:.4e}"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_at_most_a_third_fitted_one_per_generation_on_the_median_run():
     fit, preds = evaluated()
     fitted = [p for p in preds if p.fitted]
@@ -85,6 +91,7 @@ def test_at_most_a_third_fitted_one_per_generation_on_the_median_run():
         assert abs(p.throughput_error) < 1e-3, f"{gen}: the fit does not reproduce {name} ({p.throughput_error:+.2%})"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_every_prediction_within_15_percent_or_explained():
     _, preds = evaluated()
     unexplained = [f"{p.run.name}: {p.throughput_error:+.1%}" for p in preds if not p.within and not p.run.reason]
@@ -94,6 +101,7 @@ def test_every_prediction_within_15_percent_or_explained():
     assert sum(p.within for p in preds) >= 2 * len(preds) / 3, "fewer than two thirds of the runs within 15%"
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_every_miss_is_computed_not_hidden():
     """Each miss names a mechanism perf.step_time leaves out; counted for the run (and for the
     run its generation was fitted on), it must move the prediction towards the published figure."""
@@ -110,6 +118,7 @@ def test_every_miss_is_computed_not_hidden():
         assert f"{100 * fixed:+.1f}%" in text and "{" not in text, text
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_mechanisms_measure_what_they_say():
     by_name = {r.name: r for r in R.RUNS}
     # element-wise share falls with the width (1/h): the trend of the A100 table
@@ -125,6 +134,7 @@ def test_mechanisms_measure_what_they_say():
     assert R.stage_imbalance(by_name["Llama 3 405B, 8192 H100, seq 8192"]) == 0
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_search_ranks_the_published_layout_top_three_or_says_why():
     fit, _ = evaluated()
     top3 = 0
@@ -143,6 +153,7 @@ def test_search_ranks_the_published_layout_top_three_or_says_why():
     assert top3 >= len(R.SEARCH_RUNS) / 2
 
 
+@needs_solutions  # prices runs with labkit.perf's reference model
 def test_table_lists_every_run_and_its_error():
     text = R.table()
     assert text.count("\n") == len(R.RUNS) + 1 and "published" in text
