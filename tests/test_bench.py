@@ -87,3 +87,10 @@ def test_the_table_stays_in_line_with_long_labels_and_explains_every_extra_figur
             elif isinstance(value, ast.Call) and ast.unparse(value.func) == "dict":
                 keys |= {k.arg for k in value.keywords}
     assert len(keys) > 20 and keys <= set(runner.EXTRA_MEANINGS), sorted(keys - set(runner.EXTRA_MEANINGS))
+
+
+@needs_solutions
+def test_the_flops_row_counts_what_flop_counter_mode_counts():
+    (result,) = bench.run(["perf_flops"], repeats=3)
+    assert isinstance(result, bench.BenchRow), result
+    assert result.extra["formula_flops"] == result.extra["counted_flops"] > 0, result.extra

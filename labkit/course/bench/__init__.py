@@ -19,6 +19,7 @@ from labkit.course.bench import (  # noqa: F401 - importing a chapter registers 
     ch11_compress,
     ch12_recompute,
     ch13_rpc,
+    ch14_perf,
 )
 from labkit.course.bench.runner import (
     ROWS,

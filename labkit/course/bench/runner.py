@@ -177,6 +177,8 @@ EXTRA_MEANINGS = {
     "alpha_gloo_us": "one-way latency of a gloo send/recv, microseconds",
     "trainer_received_B": "bytes a trainer received per iteration from the RPC server",
     "ch01_trainer_sent_B": "bytes a trainer sent per iteration to chapter 01's server",
+    "formula_flops": "FLOPs of one training step by perf.flops_per_token x tokens (the ours column times this formula)",
+    "counted_flops": "FLOPs FlopCounterMode counted in a forward and backward of the same step (torch column: that run)",
     "predicted_ms": "the alpha-beta model's milliseconds, from the link classes calibrated on the same bed",
     "measured_over_predicted": "measured median / predicted (1: the model is right)",
     "alpha_us": "fitted latency of one message per link class, microseconds (2-rank all-reduces, chapter 00's fit; "
