@@ -62,7 +62,7 @@ from pathlib import Path
 
 from labkit.course import grading, mutants, workspace
 
-MUTANTS_ENV = "LABKIT_MUTANTS_FILE"   # a JSON list of mutants the grading plugin runs instead
+MUTANTS_ENV = mutants.GENERATED_ENV   # a JSON list of mutants the grading plugin runs instead
 DROPPED_CALLS = {"detach", "clone", "contiguous"}
 CMP_FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
             ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
@@ -503,4 +503,4 @@ def tree_label(root: Path) -> str:
 
 def load_file(path: str) -> list[mutants.Mutant]:
     """The mutants of a ``LABKIT_MUTANTS_FILE`` (for the grading plugin)."""
-    return [mutants.Mutant(**m) for m in json.loads(Path(path).read_text())]
+    return mutants.load_file(path)

@@ -205,9 +205,9 @@ def pytest_generate_tests(metafunc):
 
 def _mutants(config) -> list:
     if not hasattr(config, "_labkit_mutants"):
-        from labkit.course import automut, mutants
-        generated = os.environ.get(automut.MUTANTS_ENV)   # labkit mutate's, instead of tests/mutants
-        found = automut.load_file(generated) if generated else mutants.load(Path(str(config.rootpath)))
+        from labkit.course import mutants
+        generated = os.environ.get(mutants.GENERATED_ENV)   # labkit mutate's, instead of tests/mutants
+        found = mutants.load_file(generated) if generated else mutants.load(Path(str(config.rootpath)))
         wanted = set(config.getoption("--mutant"))
         unknown = wanted - {m.id for m in found}
         if unknown:

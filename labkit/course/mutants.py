@@ -25,7 +25,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.course.chapters import CHAPTERS
 from labkit.runtime.worker import OVERRIDES_ENV  # {module: source file}, read by every rank
+
+GENERATED_ENV = "LABKIT_MUTANTS_FILE"   # a JSON list of mutants the grading plugin runs instead (labkit mutate's)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ def load(root: Path, modules=None) -> list[Mutant]:
     return found
 
 
+def load_file(path: str) -> list[Mutant]:
+    """The mutants of a ``LABKIT_MUTANTS_FILE`` (``labkit mutate`` writes it for the grading plugin)."""
+    import json
+    return [Mutant(**m) for m in json.loads(Path(path).read_text())]
+
+
 def write_source(mutant: Mutant, root: Path) -> Path:
     """The mutated module on disk (ranks import it from there), named by its content."""
     source = mutant.source(root)
@@ -96,7 +105,6 @@ def install_overrides(overrides: dict[str, str]) -> dict[str, object]:
     the package; return what ``sys.modules`` held before, for ``restore``. Every exercise
     module is dropped from ``sys.modules`` first, so modules that import the swapped one
     see the mutant. (Ranks do the same from ``LABKIT_MODULE_OVERRIDES`` as they start.)"""
-    from labkit.course.grading import CHAPTERS
     from labkit.runtime.worker import import_overrides
     saved = {f"labkit.{m}": sys.modules.pop(f"labkit.{m}", None) for m in CHAPTERS.values()}
     import_overrides(overrides)
