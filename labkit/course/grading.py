@@ -142,8 +142,11 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """Refuse to grade a tree with another tree's code: the labkit imported must be this one."""
+    """Refuse to grade a tree with another tree's code: the labkit imported must be this one.
+    Then hold every call of an exercise to its contracts (``labkit.course.contracts``), here
+    and in every rank launched from here, before any test module imports an exercise."""
     import labkit
+    from labkit.course import contracts
     root = Path(str(config.rootpath)).resolve()
     imported = Path(labkit.__file__).resolve().parent.parent
     if (root / "labkit").is_dir() and imported != root:
@@ -151,6 +154,7 @@ def pytest_configure(config):
             f"labkit grading: these tests belong to {root}, but Python imported labkit from "
             f"{imported}. Grading them would grade the wrong code. Run `labkit grade` inside "
             f"{root} (it imports that tree's labkit), or `pip install -e .` there.")
+    contracts.enable()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.runtime import deadlock, launcher
+from labkit.runtime import contracts, deadlock, launcher
 
 OVERRIDES_ENV = "LABKIT_MODULE_OVERRIDES"  # JSON {exercise module: source file} (mutation testing)
 COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
@@ -83,6 +83,7 @@ def run_rank(spec: dict) -> None:
     cov = _start_coverage()
     try:
         import_overrides(json.loads(os.environ.get(OVERRIDES_ENV, "{}")))
+        contracts.install_from_env()  # while grading: every exercise call keeps its contracts
         with open(os.path.join(rundir, "payload.pkl"), "rb") as f:
             fn, args, kwargs = cloudpickle.load(f)
         _init_process_group(rank, spec["world_size"], spec["backend"], spec["timeout"])
@@ -145,6 +146,8 @@ def import_overrides(overrides: dict[str, str]) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[f"labkit.{name}"] = module
         spec.loader.exec_module(module)
+        if contracts.active():
+            contracts.wrap_module(module)
         setattr(package, name, module)
 
 
