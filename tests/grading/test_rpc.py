@@ -39,8 +39,12 @@ rpc.pipeline: 2 stages (world 1, 2, 3) or 3 stages (world 4) on their workers, d
 worker0, micro-batch counts 1, 2, 3, 4 on a batch of 13 rows (tensor_split: sizes differ by
 one) and 4 on 4 rows: outputs and every stage's gradients equal the unsplit model's, 2 momentum-
 SGD steps by DistributedOptimizer equal local ones. The stages log start and end of every
-micro-batch with a logical clock in the store: the stage before the last starts micro-batch
-i + 1 before the last ends micro-batch i (overlap). Each stage counts its concurrent entries:
+micro-batch with a logical clock in the store (evidence recorded on the stages, not reported by
+the pipeline): the stage before the last starts micro-batch i + 1 before the last ends
+micro-batch i, and every stage k + 1 starts micro-batch i before stage k ends micro-batch i + 1
+(each side holds its micro-batch until the other's start is logged, at most 20 s: event order,
+so load only delays it; a driver that runs the whole batch through stage k before stage k + 1
+gets any fails). Each stage counts its concurrent entries:
 never 2 (one micro-batch at a time), with the interleaving forced once: stage 1 holds its
 first micro-batch while the others have been sent to it. Trace: per micro-batch a remote to
 each stage but the last (the first carrying it), an rpc_async to the last bringing the output
@@ -655,7 +659,8 @@ def dying_trainer_job(folder: str) -> None:
 
 PIPE_STEPS = 2  # the test's momentum state carries over a step; the pipeline itself holds none
 PIPE_CONFIGS = [(1, BATCH), (2, BATCH), (3, BATCH), (4, BATCH), (4, 4)]  # (micro-batches, rows)
-WAIT_FOR_OVERLAP = 10.0  # s: the last stage holds micro-batch i until the stage before starts i + 1 (a pipeline that never does: fails)
+WAIT_FOR_OVERLAP = 20.0  # s: the last stage holds micro-batch i until the stage before starts i + 1, every other
+# stage holds micro-batch i + 1 until the next stage starts i (a pipeline that never lets them: fails)
 HOLD_FOR_SECOND = 1.5    # s: stage 1 holds its first micro-batch this long, once, for a second one to enter (a lock keeps it out)
 LOCK_PROBE = (3, 1)      # (micro-batches, step) where the probe runs
 
@@ -687,6 +692,8 @@ class ProbeStage(nn.Module):
                 end = time.monotonic() + HOLD_FOR_SECOND
                 while self.inside < 2 and time.monotonic() < end:
                     time.sleep(0.002)
+            if not self.last and step == 0 and mb > 0:
+                self.hold_until_next_stage_started(s, mb - 1)
             y = self.module(x)
             if self.last and step == 0 and mb + 1 < self.micro:
                 # polled, not store.wait: a wait would hold this process's store client, which
@@ -699,6 +706,22 @@ class ProbeStage(nn.Module):
         finally:
             with self._count:
                 self.inside -= 1
+
+    def hold_until_next_stage_started(self, s, earlier: int) -> None:
+        """Keep this micro-batch in the stage until the next stage has started the one before it
+        (its logged start), so that the two run at once: a pipeline that finishes the whole batch
+        on one stage before the next stage gets any never lets that happen, and this stage ends
+        the micro-batch only after WAIT_FOR_OVERLAP (once per configuration: then it gives up).
+        Event order, not time: a loaded machine only delays the start it waits for."""
+        started = f"{self.tag}/0/{self.index + 1}/{earlier}/start"
+        end = time.monotonic() + WAIT_FOR_OVERLAP
+        while not s.check([started]):
+            if s.check([f"{self.tag}/gave_up"]):
+                return
+            if time.monotonic() > end:
+                s.set(f"{self.tag}/gave_up", f"stage {self.index}")
+                return
+            time.sleep(0.002)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -837,6 +860,12 @@ def check_overlap(tag, count, micro, what):
         assert clock(before, mb + 1, "start") < clock(last, mb, "end"), (
             f"{what}: micro-batches must overlap: stage {before} should start micro-batch {mb + 1} before stage "
             f"{last} ends micro-batch {mb}")
+    for k in range(1, count):  # evidence recorded by the stages: stage k + 1 busy while stage k is
+        for mb in range(micro - 1):
+            assert clock(k + 1, mb, "start") < clock(k, mb + 1, "end"), (
+                f"{what}: micro-batches must overlap: stage {k + 1} should start its micro-batch {mb} while stage {k} "
+                f"still runs micro-batch {mb + 1} (stage {k} held it {WAIT_FOR_OVERLAP:g} s for that); a pipeline that "
+                f"sends the next stage nothing until stage {k} has finished every micro-batch overlaps nothing")
     for k in range(1, count):
         for mb in range(micro):
             assert clock(k, mb, "end") < clock(k + 1, mb, "start"), \
