@@ -65,6 +65,8 @@ As a DDP hook (several buckets), 3 steps of AdamW equal plain DDP.
 import datetime
 import gc
 import itertools
+import os
+import random
 import time
 
 import pytest
@@ -77,6 +79,52 @@ from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 3, 4]
+# Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
+# and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws many more.
+LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
+SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+SAMPLES = 20 if LONG else 2
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def announce_seed(test: str) -> int:
+    print(f"{test}: {SAMPLES} sampled configurations per world size from seed {SEED} "
+          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
+    return SEED
+
+
+def sampler(seed: int, test: str) -> random.Random:
+    """The same stream on every rank (the configurations must agree), another per test."""
+    return random.Random(f"{seed}/{test}")
+
+
+def random_groups(rng: random.Random) -> tuple[list[int], object]:
+    """A random partition of the world into groups (random sizes, members not contiguous);
+    this rank's (members, group). The whole world is sometimes the default group (None),
+    sometimes a group made of every rank."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    order = list(range(n))
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+    parts = [sorted(order[a:b]) for a, b in zip([0] + cuts, cuts + [n])]
+    if len(parts) == 1 and rng.random() < 0.5:
+        return list(range(n)), None
+    key = tuple(map(tuple, parts))
+    if key not in _GROUPS:
+        _GROUPS[key] = [(part, dist.new_group(part)) for part in parts]  # every rank makes every group, in order
+    return next((members, group) for members, group in _GROUPS[key] if rank in members)
+
+
+def random_shape(rng: random.Random, most: int = 20) -> tuple[int, ...]:
+    """A tensor shape of 1 to 4 dimensions (a bias, a matrix, a 3-D one, a conv weight)."""
+    dims = rng.choice([1, 2, 2, 2, 3, 4])
+    if dims == 4:
+        return (rng.randint(1, most), rng.randint(1, 4), rng.choice([1, 3]), rng.choice([1, 3]))
+    return tuple(rng.randint(1, most) for _ in range(dims))
+
+
+def eps_of(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
 TURN_TIMEOUT = datetime.timedelta(seconds=30)
 _GROUPS: dict = {}
 _TURNS = itertools.count()
@@ -442,9 +490,96 @@ def powersgd_error_bound() -> None:
                                       f"at most {early:.3g} x ||G|| in steps 1-25, {late:.3g} x ||G|| in steps 26-50")
 
 
-def powersgd_by_hand() -> None:
+def powersgd_by_hand(seed: int) -> None:
     powersgd_vs_torch_by_hand()
     powersgd_error_bound()
+    powersgd_sampled(seed)
+
+
+# |yours - torch's| <= PSGD_DTYPE_TOL x the largest |torch's| of the bucket, per bucket dtype (the two
+# hooks orthogonalise in another order: torch batches the matrices of one shape, QR for r > 2)
+PSGD_DTYPE_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def powersgd_sampled(seed: int) -> None:
+    """Configurations drawn from the whole documented space against torch's hook, step by step:
+    a random partition of the world into groups, every float dtype of the bucket (float64,
+    float32, bfloat16, float16), r 1-3, error feedback and warm start on or off, epsilon 0, 1e-8
+    or 0.1 (with an all-zero gradient matrix when > 0; 0 where torch uses QR, r > 2 in float32/64;
+    1e-3 for 1e-8 in float16, where 1e-8 is zero), min_compression_rate 1, 1.5, 2 or 4,
+    start_powerSGD_iter 0-3 (> 1 when error feedback or warm start need it), 1-3 buckets of
+    shapes that repeat (1-D to 4-D). P, Q and the error follow the bucket: the same dtype and
+    device, and every all-reduce in that dtype (its bytes: elements x its size). With warm start
+    the P and Q of a bucket are the same tensors step after step, updated in place."""
+    from labkit.compress import FlatBucket, PowerSGDState, powersgd_elements, powersgd_hook
+    from labkit.oracles import builtin_powersgd
+    rng, rank = sampler(seed, "powersgd"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+        r, feedback, warm = rng.randint(1, 3), rng.random() < 0.6, rng.random() < 0.6
+        start = rng.randint(2, 3) if feedback or warm else rng.randint(0, 3)
+        epsilon, rate = rng.choice([0.0, 1e-8, 0.1]), rng.choice([1, 1.5, 2, 4])
+        if r > 2 and dtype not in LOW_PRECISION:
+            epsilon = 0.0  # torch orthogonalises these by QR, which has no epsilon
+        if dtype == torch.float16 and epsilon == 1e-8:
+            epsilon = 1e-3  # 1e-8 is zero in float16: norm 0 + epsilon would still divide by zero
+        pool = [random_shape(rng) for _ in range(3)] + [(rng.randint(1, 20),)]
+        layouts = [[rng.choice(pool) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 3))]
+        if epsilon:
+            layouts[0].append(ZERO_SHAPE)
+        settings = dict(matrix_approximation_rank=r, start_powerSGD_iter=start, min_compression_rate=rate,
+                        use_error_feedback=feedback, warm_start=warm, orthogonalization_epsilon=epsilon, random_seed=sample)
+        mine, (theirs, torch_hook) = PowerSGDState(group, **settings), builtin_powersgd(group, **settings)
+        config = (f"compress.powersgd: rank {rank}, seed {seed} sample {sample}: group {members}, {dtype} buckets "
+                  f"{layouts}, r={r}, use_error_feedback={feedback}, warm_start={warm}, orthogonalization_epsilon="
+                  f"{epsilon}, min_compression_rate={rate}, start_powerSGD_iter={start}")
+        for step in range(start + 3):
+            for b, shapes in enumerate(layouts):
+                gen = torch.Generator().manual_seed(seed % 100_000 + 1000 * step + 10 * b + rank)
+                grads = [torch.zeros(shape, dtype=dtype) if shape == ZERO_SHAPE
+                         else torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
+                last = b == len(layouts) - 1
+                bucket, reference = FlatBucket([g.clone() for g in grads], b, last), FlatBucket(grads, b, last)
+                held = {name: (getattr(mine, name).get(b), getattr(theirs, name).get(b))
+                        for name in ("p_memory_dict", "q_memory_dict")}
+                before = {name: [None if t is None else t.clone() for t in pair] for name, pair in held.items()}
+                where = f"{config}, step {step + 1}, bucket {b}"
+                with CommTracer() as tracer:
+                    got = powersgd_hook(mine, bucket).wait()
+                want = torch_hook(theirs, reference).wait()
+                size = bucket.buffer().element_size()
+                if step < start:
+                    ops = [Op("all_reduce", bucket.buffer().numel() * size, members)]
+                else:
+                    count = powersgd_elements(shapes, r, rate)
+                    ops = [Op("all_reduce", count[key] * size, members) for key in ("uncompressed", "p", "q")]
+                assert_ops(tracer, ops, f"{where}: warm-up: the whole bucket; then the uncompressed elements, P = sum n r, "
+                                        f"Q = sum m r, over the group, in the bucket's dtype ({size} B each)")
+                assert all(e.dtype == dtype for e in tracer.events), \
+                    f"{where}: every all-reduce must run in the bucket's dtype {dtype}: {[e.dtype for e in tracer.events]}"
+                assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == dtype, \
+                    f"{where}: the future's value must be the buffer ({dtype}), averaged in place"
+                scale = want.abs().max().item() or 1.0
+                assert_close(got, want, f"{where}: the average vs torch's powerSGD_hook in {dtype} (tolerance "
+                             f"{PSGD_DTYPE_TOL[dtype]:g} x the bucket's largest value)", rtol=0,
+                             atol=PSGD_DTYPE_TOL[dtype] * scale)
+                kept = [(name, getattr(mine, name)[b]) for name in ("error_dict", "p_memory_dict", "q_memory_dict")
+                        if b in getattr(mine, name)]
+                for name, tensor in kept:
+                    assert tensor.dtype == dtype and tensor.device == got.device, (
+                        f"{where}: state.{name}[{b}] must follow the bucket ({dtype} on {got.device}), "
+                        f"got {tensor.dtype} on {tensor.device}")
+                for name, (mine_before, theirs_before) in held.items():
+                    if warm and mine_before is not None and step >= start:
+                        now, theirs_now = getattr(mine, name)[b], getattr(theirs, name)[b]
+                        assert now is mine_before, (f"{where}: with warm start state.{name}[{b}] must be the same tensor "
+                                                    "step after step (updated in place), not a new one")
+                        moved = not torch.equal(now, before[name][0])
+                        assert moved == (not torch.equal(theirs_now, before[name][1])), (
+                            f"{where}: state.{name}[{b}] {'changed' if moved else 'did not change'} in this step, "
+                            f"torch's {'did not' if moved else 'did'}")
+            assert mine.iter == theirs.iter, f"{config}: iter {mine.iter} after step {step + 1}, torch's {theirs.iter}"
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -462,7 +597,7 @@ TOPK_SHAPES = [(20, 12), (20,), (16, 20), (16,), (4, 4)]
 TOPK_SPLIT = 3  # buckets of 580 and 32 elements
 
 
-def topk_by_hand() -> None:
+def topk_by_hand(seed: int) -> None:
     from labkit.compress import FlatBucket, TopKState, topk_count, topk_hook
     rank, n = dist.get_rank(), dist.get_world_size()
     for bad in (0, -0.1, 1.5):
@@ -546,6 +681,71 @@ def topk_by_hand() -> None:
             bucket = FlatBucket([torch.randn(40, dtype=torch.float64)])
             entered_in_turn(f"compress.topk: topk_hook over {members}, step {step + 1}", members,
                             lambda: topk_hook(state, bucket))
+    topk_sampled(seed)
+
+
+def topk_sampled(seed: int) -> None:
+    """Configurations drawn from the whole documented space: a random partition of the world into
+    groups, any float dtype, a ratio in (0, 1], 1-3 buckets of random tensors (1-D to 4-D),
+    3-5 steps. Checked without assuming which of tied magnitudes is kept (16-bit values tie):
+    the new error is old error + gradient with k entries zeroed, those of largest magnitude; the
+    average is the group's mean of what every member sent (summed here in float64); the trace is
+    two all-gathers over the group, N k int64 indices and N k values in the bucket's dtype; the
+    error is kept in the bucket's dtype, on its device."""
+    from labkit.compress import FlatBucket, TopKState, topk_count, topk_hook
+    rng, rank = sampler(seed, "topk"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size = len(members)
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+        ratio = rng.choice([1.0, round(10 ** rng.uniform(-2.5, 0), 4)])
+        layouts = [[random_shape(rng) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
+        scale = 10 ** rng.uniform(-2, 2)
+        state = TopKState(group, ratio=ratio)
+        config = (f"compress.topk: rank {rank}, seed {seed} sample {sample}: group {members}, {dtype}, ratio {ratio}, "
+                  f"buckets {layouts}")
+        for step in range(rng.randint(3, 5)):
+            for b, shapes in enumerate(layouts):
+                gen = torch.Generator().manual_seed(seed % 100_000 + 1000 * step + 10 * b + rank)
+                grads = [(torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype) for shape in shapes]
+                bucket = FlatBucket(grads, index=b, last=b == len(layouts) - 1)
+                numel, k = bucket.buffer().numel(), topk_count(bucket.buffer().numel(), ratio)
+                old = state.error_dict.get(b)
+                total = bucket.buffer().clone() if old is None else bucket.buffer() + old
+                where = f"{config}, step {step + 1}, bucket {b} ({numel} values, k = {k})"
+                with CommTracer() as tracer:
+                    got = topk_hook(state, bucket).wait()
+                assert_ops(tracer, [Op("all_gather", size * k * 8, members),
+                                    Op("all_gather", size * k * total.element_size(), members)],
+                           f"{where}: two all-gathers over the group, k int64 indices then k values from each member")
+                assert [e.dtype for e in tracer.events] == [torch.int64, dtype], \
+                    f"{where}: the indices go as int64, the values in the bucket's dtype {dtype}"
+                new = state.error_dict[b]
+                assert new.dtype == dtype and new.device == total.device and new.shape == total.shape, (
+                    f"{where}: the error must be kept like the buffer ({dtype}, {total.device}, {tuple(total.shape)}), "
+                    f"got {new.dtype}, {new.device}, {tuple(new.shape)}")
+                kept = new == total
+                sent = ~kept | (total == 0)
+                assert bool(((new == 0) | kept).all()), \
+                    f"{where}: the new error is old error + gradient with the sent entries set to zero, nothing else changed"
+                zeroed = int((~kept).sum())
+                assert zeroed <= k <= int(sent.sum()), f"{where}: {zeroed} entries zeroed in the error, k = {k} must be sent"
+                if zeroed and zeroed < numel:
+                    assert total[~kept].abs().min() >= total[kept].abs().max(), (
+                        f"{where}: the entries sent must be those of largest |old error + gradient|: one sent has "
+                        f"{total[~kept].abs().min().item():.4g}, one kept back {total[kept].abs().max().item():.4g}")
+                contribution = (total - new).double()
+                summed = contribution.clone()
+                dist.all_reduce(summed, group=group)
+                magnitude = contribution.abs().clone()
+                dist.all_reduce(magnitude, group=group)
+                want = summed / size
+                bound = 2 * eps_of(dtype) * magnitude + 2 * eps_of(dtype) * want.abs() + 1e-300
+                assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == dtype, \
+                    f"{where}: the future's value must be the buffer ({dtype}), averaged in place"
+                off = ((got.double() - want).abs() / bound).max().item()
+                assert off <= 1, (f"{where}: the average differs from the group's mean of what its members sent by "
+                                  f"{off:.3g} x the rounding bound of {dtype}")
 
 
 def topk_on_ddp() -> None:
@@ -720,13 +920,13 @@ def test_powersgd_vs_torch(world_size):
 @task("compress.powersgd", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_powersgd_error_feedback(world_size):
-    run_graded("compress.powersgd", powersgd_by_hand, world_size, timeout=180)
+    run_graded("compress.powersgd", powersgd_by_hand, world_size, announce_seed("compress.powersgd"), timeout=180)
 
 
 @task("compress.topk", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_topk(world_size):
-    run_graded("compress.topk", topk_by_hand, world_size, timeout=180)
+    run_graded("compress.topk", topk_by_hand, world_size, announce_seed("compress.topk"), timeout=180)
 
 
 @task("compress.hierarchical", points=2)
