@@ -1454,7 +1454,101 @@ def local_sgd_config(h: int, outer: str, inner: str, members: list[int], group) 
         assert torch.equal(model.scale, frozen), f"{at}: the frozen parameter changed"
 
 
-def local_sgd_on_rank() -> None:
+class MixedModel(nn.Module):
+    """Mixed dtypes: a float32 layer, then a float64 one; a frozen float32 scale."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(11)
+            self.fc1, self.fc2 = nn.Linear(4, width), nn.Linear(width, 2).double()
+            self.scale = nn.Parameter(torch.rand(2) + 0.5, requires_grad=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x.float())).double()) * self.scale.double()
+
+
+def ls_grouped(params_of, rng_choice: str):
+    """The inner optimizer with two param groups: weights with weight decay, biases without and
+    at another lr (AdamW or momentum SGD)."""
+    named = list(params_of)
+    decay = [p for name, p in named if name.endswith("weight") and p.requires_grad]
+    rest = [p for name, p in named if not name.endswith("weight")]
+    if rng_choice == "adamw":
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
+                                                                            "lr": 0.02}], lr=0.05)
+    return torch.optim.SGD([{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}], lr=0.1, momentum=0.9)
+
+
+def local_sgd_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, H 1-5, a model of float32 and float64 layers (of a random width), an inner optimizer
+    with two param groups (AdamW or momentum SGD: decay on weights only, another lr for biases),
+    an outer optimizer among plain averaging, DiLoCo's, momentum SGD at a random lr and Adam;
+    3 rounds against the one-process simulation of every member (float32's tolerance: the float64
+    layer learns from float32 activations). The
+    outer optimizer holds ``start`` itself (the same tensors round after round, updated in place)
+    and every parameter keeps its dtype."""
+    from labkit.check import tolerance
+    from labkit.compress import LocalSGD
+    rng, rank = sampler(seed, "local_sgd"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        h, width, inner = rng.randint(1, 5), rng.randint(1, 6), rng.choice(["adamw", "sgd"])
+        outer_cls, kwargs = rng.choice([(torch.optim.SGD, {"lr": 1.0}), (torch.optim.SGD, DILOCO),
+                                        (torch.optim.SGD, {"lr": round(rng.uniform(0.2, 1.5), 3), "momentum": 0.5}),
+                                        (torch.optim.Adam, {"lr": 0.02})])
+        what = (f"compress.local_sgd: rank {rank}, seed {seed} sample {sample}: group {members}, H={h}, float32 + "
+                f"float64 layers (width {width}), inner {inner} with two param groups, outer {outer_cls.__name__}({kwargs})")
+        model = MixedModel(width)
+        local = LocalSGD(model, ls_grouped(model.named_parameters(), inner), outer_cls, kwargs, sync_every=h, group=group)
+        opt = local.inner
+        held = list(local.start)
+        sims = [MixedModel(width) for _ in members]
+        sim_opts = [ls_grouped(m.named_parameters(), inner) for m in sims]
+        anchor = [p.detach().clone() for p in sims[0].parameters() if p.requires_grad]
+        ref_outer = outer_cls(anchor, **kwargs)
+        mine = members.index(rank)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for step in range(LS_ROUNDS * h):
+            with CommTracer() as tracer:
+                ls_inner_step(model, opt, rank, step)
+                synced = local.step()
+            for m, o, r in zip(sims, sim_opts, members):
+                ls_inner_step(m, o, r, step)
+            sync = (step + 1) % h == 0
+            if sync:
+                with torch.no_grad():
+                    sim_params = [[p for p in m.parameters() if p.requires_grad] for m in sims]
+                    for i, a in enumerate(anchor):
+                        a.grad = sum(a - ps[i] for ps in sim_params) / len(members)
+                    ref_outer.step()
+                    for ps in sim_params:
+                        for a, p in zip(anchor, ps):
+                            p.copy_(a)
+            at = f"{what}, step {step + 1} ({'sync' if sync else 'local'})"
+            assert synced is sync, f"{at}: step() returned {synced}, expected {sync}"
+            ops = [Op("all_reduce", p.numel() * p.element_size(), members) for p in trainable] if sync else []
+            assert_ops(tracer, ops, f"{at}: one all-reduce per trainable tensor over the group, in its own dtype")
+            assert [e.dtype for e in tracer.events] == ([p.dtype for p in trainable] if sync else []), \
+                f"{at}: each delta must travel in its parameter's dtype: {[e.dtype for e in tracer.events]}"
+            for (name, p), ref in zip([(k, v) for k, v in model.named_parameters() if v.requires_grad],
+                                      [v for v in sims[mine].parameters() if v.requires_grad]):
+                assert p.dtype == ref.dtype, f"{at}: parameter {name} is {p.dtype}, must stay {ref.dtype}"
+                rtol, atol = tolerance(torch.float32)  # the float64 layer learns from float32 activations
+                assert_close(p, ref, f"{at}: parameter {name} vs the one-process simulation of the group",
+                             rtol=rtol, atol=atol)
+            assert all(a is b for a, b in zip(local.start, held)) and len(local.start) == len(held), \
+                f"{at}: local.start must hold the same tensors round after round (the outer optimizer's, updated in place)"
+            outer_params = [p for g in local.outer.param_groups for p in g["params"]]
+            assert len(outer_params) == len(held) and all(a is b for a, b in zip(outer_params, held)), \
+                f"{at}: the outer optimizer must optimise local.start itself"
+
+
+DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def local_sgd_on_rank(seed: int) -> None:
     from labkit.compress import LocalSGD
     rank, world = dist.get_rank(), dist.get_world_size()
     for bad in (0, -1):
@@ -1472,10 +1566,11 @@ def local_sgd_on_rank() -> None:
         for h in (2, 3):
             local_sgd_config(h, "diloco", "adamw", members, group)
         local_sgd_config(2, "adam", "sgd", members, group)
+    local_sgd_sampled(seed)
 
 
 @task("compress.local_sgd", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_local_sgd(world_size):
-    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, timeout=180)
+    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, announce_seed("compress.local_sgd"), timeout=180)
 # ============================================================================= end of local SGD

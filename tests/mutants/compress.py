@@ -332,6 +332,15 @@ MUTANTS += [
     Mutant("compress.local_sgd", "inner_state_reset", "clears the inner optimizer's state at every sync (DiLoCo keeps "
            "AdamW's moments on each rank across rounds)",
            find="        self.outer.step()\n", replace="        self.outer.step()\n        self.inner.state.clear()\n"),
+    Mutant("compress.local_sgd", "deltas_in_float64", "computes and all-reduces every delta in float64 \"for "
+           "accuracy\": right on a float64 model, twice the bytes of a float32 layer",
+           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n",
+           replace="        deltas = [(start - param).double() for start, param in zip(self.start, self.params)]\n"),
+    Mutant("compress.local_sgd", "params_from_optimizer_groups", "takes the parameters from the inner optimizer's "
+           "param groups, in their order: right with one group, paired with the wrong start with two",
+           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n",
+           replace="        self.params = [p for g in self.inner.param_groups for p in g['params'] if p.requires_grad]\n"
+                   "        deltas = [start - param for start, param in zip(self.start, self.params)]\n"),
     Mutant("compress.local_sgd", "ignores_the_group", "all-reduces over the world whatever group it is given",
            find="dist.all_reduce(delta, group=self.group, async_op=True)", replace="dist.all_reduce(delta, async_op=True)"),
     Mutant("compress.local_sgd", "sum_not_mean", "never divides the summed deltas by N",
