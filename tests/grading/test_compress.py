@@ -1205,7 +1205,61 @@ def on_subgroups(column: bool) -> None:
             assert_close(layer.bias.grad, full.bias.grad[cols], f"{what}: grad bias vs one process", rtol=tol, atol=tol)
 
 
-def ag_matmul_on_rank() -> None:
+def cm_sampled(seed: int, column: bool) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, float64 or float32, with or without bias, regather on or off (column side), random
+    widths (multiples of the group's size); each layer called twice with other shapes (batch
+    B 1-3, sequence T a multiple of the group's size): output and the gradients of a random
+    incoming gradient equal one process's (and the whole trace: the ring over the group)."""
+    from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
+    rng, rank = sampler(seed, "ag_matmul" if column else "matmul_rs"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size, me = len(members), members.index(rank)
+        dtype, bias = rng.choice([torch.float64, torch.float32]), rng.random() < 0.5
+        regather = rng.random() < 0.5 if column else None
+        d_in, d_out = size * rng.randint(1, 3), size * rng.randint(1, 3)
+        full = cm_linear(d_in, d_out, seed=rng.randrange(1000), bias=bias).to(dtype)
+        layer = (AllGatherColumnLinear.from_linear(full, group, regather=regather) if column
+                 else MatmulReduceScatterLinear.from_linear(full, group))
+        tol = CM_TOL if dtype == torch.float64 else 1e-5
+        config = (f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, seed {seed} sample {sample}: group "
+                  f"{members}, {dtype}, in {d_in}, out {d_out}, bias {bias}" + (f", regather={regather}" if column else ""))
+        for call in range(2):
+            batch_size, t = rng.randint(1, 3), rng.randint(1, 3)
+            what = f"{config}, call {call + 1}: x [{batch_size}, {size * t}, {d_in}]"
+            rows = slice(me * t, (me + 1) * t)
+            cols = slice(me * d_out // size, (me + 1) * d_out // size) if column else slice(me * d_in // size, (me + 1) * d_in // size)
+            x = cm_seeded(batch_size, size * t, d_in, seed=rng.randrange(1 << 20)).to(dtype)
+            upstream = cm_seeded(batch_size, size * t, d_out, seed=rng.randrange(1 << 20)).to(dtype)
+            mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
+            layer.zero_grad()
+            full.zero_grad()
+            with CommTracer() as tracer:
+                y = layer(mine)
+                y.backward(upstream[..., cols] if column else upstream[:, rows])
+            message = batch_size * t * (d_in if column else d_out) * x.element_size()
+            after_me, before_me = members[(me + 1) % size], members[(me - 1) % size]
+            rings = 3 if regather else 2
+            assert_ops(tracer, rings * (size - 1) * [Op("send", message, peer=after_me), Op("recv", message, peer=before_me)],
+                       f"{what}: forward and backward, {rings} ring collectives of {size - 1} steps over the group")
+            y_one = full(one)
+            y_one.backward(upstream)
+            assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process",
+                         rtol=tol, atol=tol)
+            assert_close(mine.grad, one.grad[:, rows] if column else one.grad[..., cols],
+                         f"{what}: grad x vs one process", rtol=tol, atol=tol)
+            assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
+                         f"{what}: grad weight vs one process", rtol=tol, atol=tol)
+            if bias:
+                got = layer.bias.grad.clone()
+                if not column:  # each member added the bias to its own tokens: sum the shares
+                    dist.all_reduce(got, group=group)
+                assert_close(got, full.bias.grad[cols] if column else full.bias.grad, f"{what}: grad bias vs one process",
+                             rtol=tol, atol=tol)
+
+
+def ag_matmul_on_rank(seed: int) -> None:
     from labkit.compress import AllGatherColumnLinear
     rank, n = dist.get_rank(), dist.get_world_size()
     t, width = CM_T // n, CM_HIDDEN // n
@@ -1249,9 +1303,10 @@ def ag_matmul_on_rank() -> None:
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
     on_subgroups(column=True)
+    cm_sampled(seed, column=True)
 
 
-def matmul_rs_on_rank() -> None:
+def matmul_rs_on_rank(seed: int) -> None:
     from labkit.compress import CollectiveMatmulMLP, MatmulReduceScatterLinear
     from labkit.models import MLP
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -1296,6 +1351,7 @@ def matmul_rs_on_rank() -> None:
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
     on_subgroups(column=False)
+    cm_sampled(seed, column=False)
 
     with torch.random.fork_rng(devices=[]):  # the MLP block, sequence-parallel on both collective matmuls
         torch.manual_seed(3)
@@ -1330,13 +1386,13 @@ def matmul_rs_on_rank() -> None:
 @task("compress.ag_matmul", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ag_matmul(world_size):
-    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, timeout=120)
+    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, announce_seed("compress.ag_matmul"), timeout=120)
 
 
 @task("compress.matmul_rs", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_matmul_rs(world_size):
-    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, timeout=120)
+    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, announce_seed("compress.matmul_rs"), timeout=120)
 # ============================================================================= end of collective matmul
 
 
