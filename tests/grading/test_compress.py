@@ -238,7 +238,7 @@ def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, optim: str
 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
-def fp16_on_rank() -> None:
+def fp16_on_rank(seed: int) -> None:
     from labkit.compress import FlatBucket, bf16_compress_hook, compress_hook, fp16_compress_hook
     from labkit.oracles import builtin_fp16_hook
     torch_fp16 = builtin_fp16_hook()
@@ -290,6 +290,46 @@ def fp16_on_rank() -> None:
             f"{what}: rank {rank}: the group's average is {want.tolist()}, got {bucket.buffer().tolist()}"
         assert_ops(tracer, [Op("all_reduce", 7 * 2, members)], f"{what}: rank {rank}: one 16-bit all-reduce over {members}")
         assert all(e.dtype == dtype for e in tracer.events), f"{what}: the all-reduce must run in {dtype}"
+    fp16_sampled(seed)
+
+
+def fp16_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, float16 or bfloat16 on the wire, a float32 or float64 bucket of 1-4 random tensors
+    (1-D to 4-D, magnitudes 1e-3 to 1e3): the group's average of the casts, sum_r dtype(g_r) / N,
+    within its rounding bound, a value of the 16-bit type cast back, the buffer's dtype kept; one
+    all-reduce of numel x 2 bytes in the 16-bit type over the group."""
+    from labkit.compress import FlatBucket, compress_hook
+    rng, rank = sampler(seed, "fp16"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size = len(members)
+        dtype, buffer_dtype = rng.choice(LOW_PRECISION), rng.choice([torch.float32, torch.float64])
+        shapes = [random_shape(rng) for _ in range(rng.randint(1, 4))]
+        scale = 10 ** rng.uniform(-3, 3)
+        what = (f"compress.fp16: rank {rank}, seed {seed} sample {sample}: compress_hook({dtype}) over the group "
+                f"{members}, a {buffer_dtype} bucket of {shapes}, scale {scale:.3g}")
+        everyone = {}
+        for m in members:
+            gen = torch.Generator().manual_seed(seed % 100_000 + 17 * sample + m)
+            everyone[m] = [(torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(buffer_dtype)
+                           for shape in shapes]
+        bucket = FlatBucket(everyone[rank])
+        with CommTracer() as tracer:
+            got = compress_hook(dtype, group, bucket).wait()
+        numel = bucket.buffer().numel()
+        assert_ops(tracer, [Op("all_reduce", numel * 2, members)], f"{what}: one 16-bit all-reduce over the group")
+        assert all(e.dtype == dtype for e in tracer.events), f"{what}: the all-reduce must run in {dtype}"
+        assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == buffer_dtype, \
+            f"{what}: the future's value must be the buffer ({buffer_dtype}), averaged in place"
+        assert torch.equal(got, got.to(dtype).to(buffer_dtype)), f"{what}: the average must be a {dtype} value cast back"
+        casts = torch.stack([torch.cat([g.reshape(-1) for g in everyone[m]]).to(dtype).double() for m in members])
+        exact = casts.sum(0) / size
+        finfo = torch.finfo(dtype)
+        smallest = finfo.tiny * finfo.eps  # a subnormal step: a quotient below tiny keeps fewer bits
+        bound = (size + 1) * finfo.eps * casts.abs().sum(0) / size + (size + 1) * smallest
+        worst = ((got.double() - exact).abs() / bound).max().item()
+        assert worst <= 1, f"{what}: the average is off sum_r {dtype}(g_r)/N by {worst:.3g} x its rounding bound"
 
 
 # ----------------------------------------------------------------------------- PowerSGD
@@ -894,15 +934,53 @@ def hierarchical_as_hook() -> None:
             f"compress.hierarchical: rank {rank}: the hook leaves the average in the buffer"
 
 
-def hierarchical_checks() -> None:
+def hierarchical_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: every layout nodes x L of the world, a
+    tensor of 1 to 4 dimensions (numel often not a multiple of L), float64, float32, bfloat16,
+    float16 or int64 (small integers: every sum exact), sync or async, called twice on one
+    NodeGroups with other shapes: equal to ``dist.all_reduce``, the result in the tensor itself,
+    the three steps traced over the right groups with the padded sizes."""
+    from labkit.compress import NodeGroups, hierarchical_all_reduce
+    rng, rank, world = sampler(seed, "hierarchical"), dist.get_rank(), dist.get_world_size()
+    layouts = [(m, world // m) for m in range(1, world + 1) if world % m == 0]
+    for sample in range(SAMPLES):
+        nodes, per_node = rng.choice(layouts)
+        groups = NodeGroups(nodes, per_node)
+        node = list(range(rank // per_node * per_node, (rank // per_node + 1) * per_node))
+        across = list(range(rank % per_node, world, per_node))
+        for call in range(2):
+            shape = random_shape(rng, most=9)
+            dtype, async_op = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64]), \
+                rng.random() < 0.5
+            what = (f"compress.hierarchical: rank {rank}, seed {seed} sample {sample} call {call + 1}: {nodes} x {per_node}, "
+                    f"{shape} {dtype}, async_op={async_op}")
+            gen = torch.Generator().manual_seed(seed % 100_000 + 31 * sample + 7 * call + rank)
+            x = torch.randint(-20, 20, shape, generator=gen).to(dtype)  # small integers: every sum exact
+            want = x.clone()
+            dist.all_reduce(want)
+            with CommTracer() as tracer:
+                returned = hierarchical_all_reduce(x, groups, async_op=async_op)
+                if async_op:
+                    assert returned.wait() is x, f"{what}: the future's value is the tensor itself"
+            assert async_op or returned is None, f"{what}: without async_op it returns None"
+            assert torch.equal(x, want), f"{what}: the sum differs from dist.all_reduce's"
+            shard = -(-x.numel() // per_node) * x.element_size()
+            assert_ops(tracer, [Op("reduce_scatter", shard * per_node, node), Op("all_reduce", shard, across),
+                                Op("all_gather", shard * per_node, node)],
+                       f"{what}: reduce-scatter of the padded tensor in the node, all-reduce of the shard across, "
+                       "all-gather in the node")
+
+
+def hierarchical_checks(seed: int) -> None:
     hierarchical_on_rank()
     hierarchical_as_hook()
+    hierarchical_sampled(seed)
 
 
 @task("compress.fp16", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fp16(world_size):
-    run_graded("compress.fp16", fp16_on_rank, world_size, timeout=120)
+    run_graded("compress.fp16", fp16_on_rank, world_size, announce_seed("compress.fp16"), timeout=120)
 
 
 @task("compress.powersgd", points=1)
@@ -932,7 +1010,7 @@ def test_topk(world_size):
 @task("compress.hierarchical", points=2)
 @pytest.mark.parametrize("world_size", [1, 3, 4, 6])
 def test_hierarchical(world_size):
-    run_graded("compress.hierarchical", hierarchical_checks, world_size, timeout=180)
+    run_graded("compress.hierarchical", hierarchical_checks, world_size, announce_seed("compress.hierarchical"), timeout=180)
 
 
 # ----------------------------------------------------------------------------- hooks on the chapter-02 DDP

@@ -99,7 +99,7 @@ MUTANTS = [
            replace='    fresh = not state.warm_start or index not in state.q_memory_dict\n    if fresh:\n        state.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)), dtype=torch.float64)\n        state.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)), dtype=torch.float64)\n    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n    ps, qs, p_at, q_at = [], [], 0, 0\n    for matrix, rank in zip(matrices, ranks):\n        (n, m) = matrix.shape\n        ps.append(p_all[p_at:p_at + n * rank].view(n, rank))\n        qs.append(q_all[q_at:q_at + m * rank].view(m, rank))\n        p_at, q_at = p_at + n * rank, q_at + m * rank\n    if fresh:\n        state.random_qs(qs)\n    for q in qs:\n        orthogonalize(q, state.orthogonalization_epsilon)\n    for matrix, p, q in zip(matrices, ps, qs):\n        torch.matmul(matrix.double(), q, out=p)\n    p_future = dist.all_reduce(p_all, group=group, async_op=True).get_future()\n\n    def compute_qs(_):\n        flat.div_(world)\n        offset = 0\n        for grad in plain:\n            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))\n            offset += grad.numel()\n        for matrix, p, q in zip(matrices, ps, qs):\n            orthogonalize(p, state.orthogonalization_epsilon)\n            torch.matmul(matrix.t().double(), p, out=q)\n        return dist.all_reduce(q_all, group=group, async_op=True).get_future()\n\n    def decompress(_):\n        q_all.div_(world)\n        for matrix, p, q in zip(matrices, ps, qs):\n            matrix.copy_(p @ q.t())\n        if state.use_error_feedback:\n            state.error_dict[index] = intended - buffer\n        if not state.warm_start:\n            state.p_memory_dict.clear()\n            state.q_memory_dict.clear()\n'),
     Mutant("compress.powersgd", "error_in_float64", "keeps the error-feedback copy, and so the error, in float64 "
            "whatever the bucket's dtype",
-           find="        intended = buffer.clone()\n", replace="        intended = buffer.double()\n"),
+           find="        intended = buffer.clone()\n", replace="        intended = buffer.to(torch.float64, copy=True)\n"),
     Mutant("compress.powersgd", "pq_rebound_each_step", "with warm start copies P and Q into new tensors every step "
            "(same numbers): the state's tensors are not the ones it holds, and memory churns",
            find="    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n",
@@ -133,10 +133,9 @@ MUTANTS = [
     Mutant("compress.topk", "blocks", "waits for its all-gathers and returns a completed future: DDP's backward stalls",
            find="    return torch.futures.collect_all(gathered).then(scatter_add)\n",
            replace="    torch.futures.wait_all(gathered)\n    return completed(scatter_add(None))\n"),
-    Mutant("compress.topk", "divides_by_the_world", "all-gathers over the group but divides by the world's size",
-           find="    world = _group_size(group)\n    buffer, index = bucket.buffer(), bucket.index()\n    if index in state.error_dict:",
-           replace="    world = _group_size(None)\n    buffer, index = bucket.buffer(), bucket.index()\n"
-                   "    if index in state.error_dict:"),
+    Mutant("compress.topk", "divides_by_the_world", "all-gathers over the group but divides the sum by the world's size",
+           find="        buffer.div_(world)\n        return buffer\n",
+           replace="        buffer.div_(dist.get_world_size())\n        return buffer\n"),
     Mutant("compress.topk", "values_in_float32", "sends the values as float32 whatever the bucket's dtype (cast back "
            "on arrival): twice the bytes of a 16-bit bucket, half the precision of a float64 one",
            find='    values = buffer[indices]\n    error = buffer.clone()\n    error[indices] = 0\n    state.error_dict[index] = error\n\n    all_indices = indices.new_empty(world * k)\n    all_values = values.new_empty(world * k)\n    gathered = [dist.all_gather_single(all_indices, indices, group=group, async_op=True).get_future(),\n                dist.all_gather_single(all_values, values, group=group, async_op=True).get_future()]\n\n    def scatter_add(_):\n        buffer.zero_().index_add_(0, all_indices, all_values)',
@@ -334,8 +333,14 @@ MUTANTS += [
            find="        self.outer.step()\n", replace="        self.outer.step()\n        self.inner.state.clear()\n"),
     Mutant("compress.local_sgd", "deltas_in_float64", "computes and all-reduces every delta in float64 \"for "
            "accuracy\": right on a float64 model, twice the bytes of a float32 layer",
-           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n",
-           replace="        deltas = [(start - param).double() for start, param in zip(self.start, self.params)]\n"),
+           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n"
+                "        works = [dist.all_reduce(delta, group=self.group, async_op=True) for delta in deltas]\n"
+                "        for start, delta, work in zip(self.start, deltas, works):\n"
+                "            work.wait()\n            start.grad = delta.div_(n)\n",
+           replace="        deltas = [(start - param).double() for start, param in zip(self.start, self.params)]\n"
+                   "        works = [dist.all_reduce(delta, group=self.group, async_op=True) for delta in deltas]\n"
+                   "        for start, delta, work in zip(self.start, deltas, works):\n"
+                   "            work.wait()\n            start.grad = delta.div_(n).to(start.dtype)\n"),
     Mutant("compress.local_sgd", "params_from_optimizer_groups", "takes the parameters from the inner optimizer's "
            "param groups, in their order: right with one group, paired with the wrong start with two",
            find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n",
