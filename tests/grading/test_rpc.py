@@ -55,6 +55,7 @@ import copy
 import datetime
 import json
 import os
+import random
 import threading
 import time
 from collections import Counter
@@ -72,6 +73,41 @@ from labkit.course.grading import run_graded, task
 H_IN, H_HID, H_OUT, STEPS, LR = 4, 6, 2, 5, 0.1
 REMOTE_STEPS = 3  # rpc.remote_ps: steps per optimizer (each trainer's optimizer state carried over 3 of its steps)
 BATCH = 13  # divides by none of 2, 3, 4: shards and micro-batches of unequal sizes
+
+# Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
+# and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws more.
+LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
+SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+SAMPLES = 6 if LONG else 1
+
+
+def announce_seed(test: str) -> int:
+    print(f"{test}: {SAMPLES} sampled configuration(s) per world size from seed {SEED} "
+          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
+    return SEED
+
+
+def sampler(seed: int, test: str) -> random.Random:
+    """The same stream on every rank (the configurations must agree), another per test."""
+    return random.Random(f"{seed}/{test}")
+
+
+def sampled_optimizer(rng: random.Random, seed: int) -> tuple:
+    """(name, class, kwargs) drawn from what DistributedOptimizer takes: SGD with momentum,
+    dampening, Nesterov and weight decay, Adam (amsgrad or not) or AdamW with other betas."""
+    kind = rng.choice(["SGD", "Adam", "AdamW"])
+    if kind == "SGD":
+        momentum = rng.choice([0.0, round(rng.uniform(0.1, 0.95), 3)])
+        nesterov = momentum > 0 and rng.random() < 0.5
+        kwargs = dict(momentum=momentum, dampening=0.0 if nesterov else rng.choice([0.0, 0.3]),
+                      nesterov=nesterov, weight_decay=rng.choice([0.0, 0.05]))
+        cls = torch.optim.SGD
+    else:
+        kwargs = dict(betas=(round(rng.uniform(0.5, 0.95), 3), round(rng.uniform(0.9, 0.999), 3)),
+                      weight_decay=rng.choice([0.0, 0.1]), amsgrad=rng.random() < 0.5)
+        cls = torch.optim.Adam if kind == "Adam" else torch.optim.AdamW
+    return f"{kind}({kwargs}) [seed {seed}]", cls, kwargs
+
 
 OPTIMIZERS = [  # (name, class, kwargs): plain, and two with state
     ("SGD", torch.optim.SGD, {}),
@@ -266,7 +302,7 @@ def _trainer_group(trainers):
 
 # ----------------------------------------------------------------------------- remote_ps
 
-def remote_ps_job() -> None:
+def remote_ps_job(seed: int) -> None:
     install_trace()
     from labkit import rpc as R
     rank, n, trainers = roles()
@@ -275,7 +311,9 @@ def remote_ps_job() -> None:
         with TorchRpcTrace() as trace, pytest.raises(ValueError):
             R.train_remote(None, skew_mse, [batch(0, rank)], lr=0.0)
         assert not trace.keys(), f"rpc.remote_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    for config, (opt_name, opt_class, opt_kwargs) in enumerate(OPTIMIZERS):
+    rng = sampler(seed, "remote_ps")
+    for config, (opt_name, opt_class, opt_kwargs) in enumerate(OPTIMIZERS + [sampled_optimizer(rng, seed)
+                                                                           for _ in range(SAMPLES)]):
         name = f"ps{config}"
         if rank == 0:
             R.start_server(small_model(frozen=True), name)
@@ -513,7 +551,7 @@ def straggler_for(bound: int, tag: str):
     return before_push
 
 
-def batching_job() -> None:
+def batching_job(seed: int) -> None:
     install_trace()
     from labkit import dp
     from labkit import rpc as R
@@ -526,9 +564,13 @@ def batching_job() -> None:
             with pytest.raises(ValueError):
                 R.start_batching_server(small_model(1), **bad, name="bad")
     assert not trace.keys(), f"rpc.batching_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    batches = [batch(step, 7) for step in range(STEPS)]
-    for config, (bound, (opt_name, opt_class, opt_kwargs)) in enumerate(BATCHING_CONFIGS):
-        what = f"rpc.batching_ps: worker{rank} of world {n}, staleness bound {bound}, {opt_name}"
+    rng = sampler(seed, "batching_ps")
+    sampled = [(rng.randint(0, 3), sampled_optimizer(rng, seed), rng.randint(max(1, len(trainers)), 17))
+               for _ in range(SAMPLES)]
+    for config, (bound, (opt_name, opt_class, opt_kwargs), rows) in enumerate(
+            [(bound, optim, BATCH) for bound, optim in BATCHING_CONFIGS] + sampled):
+        batches = [batch(step, 7, rows) for step in range(STEPS)]
+        what = f"rpc.batching_ps: worker{rank} of world {n}, staleness bound {bound}, {opt_name}, global batch {rows}"
         name = f"batching{config}"
         if rank == 0:
             server = R.start_batching_server(small_model(1, frozen=True), len(trainers), LR, bound, name=name,
@@ -576,8 +618,8 @@ def batching_job() -> None:
             want = global_reference(batches, opt_class, opt_kwargs)
             for i, (p, q) in enumerate(zip(result, want.parameters())):
                 assert_close(p, q, f"{what}: parameter {i} after {STEPS} synchronous iterations (shards "
-                                   f"{[len(s) for s in torch.empty(BATCH).tensor_split(len(trainers))]} rows) vs "
-                                   f"one process's {opt_name} on the global batch of {BATCH}")
+                                   f"{[len(s) for s in torch.empty(rows).tensor_split(len(trainers))]} rows) vs "
+                                   f"one process's {opt_name} on the global batch of {rows}")
             if config == 0 and n > 1 and dp_server_written():  # chapter 01's collective server, same data, same job
                 model = small_model(1, frozen=True)
                 opt = torch.optim.SGD(model.parameters(), lr=LR) if rank == 0 else None
@@ -744,7 +786,7 @@ def stage_workers(n: int) -> list[str]:
     return [f"worker{r}" for r in range(1, n)]
 
 
-def pipeline_job() -> None:
+def pipeline_job(seed: int) -> None:
     install_trace()
     from labkit import rpc as R
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -757,9 +799,11 @@ def pipeline_job() -> None:
             with pytest.raises(ValueError):
                 R.RpcPipeline([None, None], 0)
         assert not trace.keys(), f"{what}: bad input must fail before any RPC, traced {trace.keys()}"
-    for config, (micro, rows) in enumerate(PIPE_CONFIGS):
+    rng = sampler(seed, "pipeline")
+    sampled = [(micro, rng.randint(micro, 17)) for micro in (rng.randint(1, 5) for _ in range(SAMPLES))]
+    for config, (micro, rows) in enumerate(PIPE_CONFIGS + sampled):
         tag = f"pipe{config}"
-        where = f"{what}, {micro} micro-batches of a batch of {rows}"
+        where = f"{what}, {micro} micro-batches of a batch of {rows}" + (f" [seed {seed}]" if config >= len(PIPE_CONFIGS) else "")
         with TorchRpcTrace() as trace:
             dist.barrier()
             if rank == 0:
@@ -878,13 +922,13 @@ def check_overlap(tag, count, micro, what):
 @task("rpc.remote_ps", points=3)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_remote_ps(world_size):
-    run_graded("rpc.remote_ps", remote_ps_job, world_size, rpc=True, timeout=90)
+    run_graded("rpc.remote_ps", remote_ps_job, world_size, announce_seed("rpc.remote_ps"), rpc=True, timeout=90)
 
 
 @task("rpc.batching_ps", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_batching_ps(world_size):
-    run_graded("rpc.batching_ps", batching_job, world_size, rpc=True, timeout=120)
+    run_graded("rpc.batching_ps", batching_job, world_size, announce_seed("rpc.batching_ps"), rpc=True, timeout=120)
 
 
 @task("rpc.batching_ps", points=1)
@@ -916,4 +960,4 @@ def test_a_dying_trainer_is_reported_at_once(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_pipeline(world_size):
     # detect_deadlock=False: a wrong pipeline's last stage waits (bounded) for an overlap that never comes
-    run_graded("rpc.pipeline", pipeline_job, world_size, rpc=True, timeout=120, detect_deadlock=False)
+    run_graded("rpc.pipeline", pipeline_job, world_size, announce_seed("rpc.pipeline"), rpc=True, timeout=120, detect_deadlock=False)
