@@ -60,6 +60,18 @@ node group, whose ring bytes per link class equal ``hierarchical_bytes``; ``asyn
 returns a pending future; without it the call returns only once every rank has joined (the
 others join 0.5 s after the first started, and check it has not returned yet). A layout that is not the world raises ValueError with nothing traced.
 As a DDP hook (several buckets), 3 steps of AdamW equal plain DDP.
+
+Sampled configurations (issue 39), in every task's launch beside the fixed ones above: drawn from
+the whole documented space by a seeded sampler, a new seed each run (printed by the test, named in
+every message; LABKIT_SEED=S replays it, LABKIT_LONG=1 draws 20 per world size instead of 2): random
+partitions of the world into groups (non-contiguous members, sizes 1 to N, sometimes a group of every
+rank), every float dtype a task accepts, every option at a drawn value, tensors of 1 to 4 dimensions,
+several steps, a second call with other shapes. Checked against torch's hook (PowerSGD, per dtype),
+a one-process simulation (local SGD, collective matmul) or the group's own exact arithmetic (fp16,
+top-k without assuming which of tied 16-bit magnitudes is kept, hierarchical on small integers), with
+the whole trace in the bucket's dtype; state kept in a hook's state object follows the bucket's dtype
+and device, and what is documented as updated in place (PowerSGD's warm-start P and Q, local SGD's
+start) keeps its identity.
 """
 
 import datetime
