@@ -1631,7 +1631,7 @@ def local_sgd_sampled(seed: int) -> None:
     groups, H 1-5, a model of float32 and float64 layers (of a random width), an inner optimizer
     with two param groups (AdamW or momentum SGD: decay on weights only, another lr for biases),
     an outer optimizer among plain averaging, DiLoCo's, momentum SGD at a random lr and Adam;
-    3 rounds against the one-process simulation of every member (float32's tolerance: the float64
+    2 rounds against the one-process simulation of every member (float32's tolerance: the float64
     layer learns from float32 activations). The
     outer optimizer holds ``start`` itself (the same tensors round after round, updated in place)
     and every parameter keeps its dtype."""
@@ -1656,7 +1656,7 @@ def local_sgd_sampled(seed: int) -> None:
         ref_outer = outer_cls(anchor, **kwargs)
         mine = members.index(rank)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        for step in range(LS_ROUNDS * h):
+        for step in range(2 * h):  # two rounds: the second starts from the outer optimizer's carried state
             with CommTracer() as tracer:
                 ls_inner_step(model, opt, rank, step)
                 synced = local.step()
