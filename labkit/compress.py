@@ -327,8 +327,9 @@ def powersgd_compress(state: "PowerSGDState", bucket) -> torch.futures.Future[to
        layout: on a transformer the shapes repeat interleaved, layer after layer, and the
        order decides which random numbers each Q gets). P and Q live in two flat tensors (sum
        of n r, sum of m r), views [n, r] and [m, r] per matrix in that grouped order. If there
-       is no Q for this bucket yet, or not ``state.warm_start``: allocate both and fill the Qs
-       with ``state.random_qs`` (in that order). Orthogonalise every Q
+       is no Q for this bucket yet, or not ``state.warm_start``: allocate both (in the bucket's
+       dtype, on its device) and fill the Qs with ``state.random_qs`` (in that order); with warm
+       start the same two tensors serve every later step, updated in place. Orthogonalise every Q
        (``state.orthogonalization_epsilon``);
     4. P = M Q for each; start the all-reduce of the flat P. When the uncompressed and P
        all-reduces are done (``torch.futures.collect_all``): divide the uncompressed sum by N
@@ -893,8 +894,8 @@ class LocalSGD:
         delta = all-reduce(delta) / N              its average over the group
         outer optimizer step on theta_start with gradient delta
         theta_local = theta_start                  every rank of the group ends equal
-    ``theta_start`` lives in the outer optimizer (copies made at construction, its state kept
-    across rounds); ``outer_optimizer_cls(params, **outer_kwargs)`` builds it, by default
+    ``theta_start`` (``self.start``) lives in the outer optimizer (copies made at construction,
+    the same tensors updated in place round after round, its state kept across rounds); ``outer_optimizer_cls(params, **outer_kwargs)`` builds it, by default
     DiLoCo's SGD with Nesterov momentum (``DILOCO_OUTER``). The inner optimizer's state is
     left alone (DiLoCo keeps it across rounds). ``sync_every`` < 1 raises ValueError before
     any communication.

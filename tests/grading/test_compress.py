@@ -60,11 +60,25 @@ node group, whose ring bytes per link class equal ``hierarchical_bytes``; ``asyn
 returns a pending future; without it the call returns only once every rank has joined (the
 others join 0.5 s after the first started, and check it has not returned yet). A layout that is not the world raises ValueError with nothing traced.
 As a DDP hook (several buckets), 3 steps of AdamW equal plain DDP.
+
+Sampled configurations (issue 39), in every task's launch beside the fixed ones above: drawn from
+the whole documented space by a seeded sampler, a new seed each run (printed by the test, named in
+every message; LABKIT_SEED=S replays it, LABKIT_LONG=1 draws 20 per world size instead of 2): random
+partitions of the world into groups (non-contiguous members, sizes 1 to N, sometimes a group of every
+rank), every float dtype a task accepts, every option at a drawn value, tensors of 1 to 4 dimensions,
+several steps, a second call with other shapes. Checked against torch's hook (PowerSGD, per dtype),
+a one-process simulation (local SGD, collective matmul) or the group's own exact arithmetic (fp16,
+top-k without assuming which of tied 16-bit magnitudes is kept, hierarchical on small integers), with
+the whole trace in the bucket's dtype; state kept in a hook's state object follows the bucket's dtype
+and device, and what is documented as updated in place (PowerSGD's warm-start P and Q, local SGD's
+start) keeps its identity.
 """
 
 import datetime
 import gc
 import itertools
+import os
+import random
 import time
 
 import pytest
@@ -77,6 +91,52 @@ from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
 
 WORLD_SIZES = [1, 3, 4]
+# Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
+# and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws many more.
+LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
+SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+SAMPLES = 20 if LONG else 2
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def announce_seed(test: str) -> int:
+    print(f"{test}: {SAMPLES} sampled configurations per world size from seed {SEED} "
+          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
+    return SEED
+
+
+def sampler(seed: int, test: str) -> random.Random:
+    """The same stream on every rank (the configurations must agree), another per test."""
+    return random.Random(f"{seed}/{test}")
+
+
+def random_groups(rng: random.Random) -> tuple[list[int], object]:
+    """A random partition of the world into groups (random sizes, members not contiguous);
+    this rank's (members, group). The whole world is sometimes the default group (None),
+    sometimes a group made of every rank."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    order = list(range(n))
+    rng.shuffle(order)
+    cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+    parts = [sorted(order[a:b]) for a, b in zip([0] + cuts, cuts + [n])]
+    if len(parts) == 1 and rng.random() < 0.5:
+        return list(range(n)), None
+    key = tuple(map(tuple, parts))
+    if key not in _GROUPS:
+        _GROUPS[key] = [(part, dist.new_group(part)) for part in parts]  # every rank makes every group, in order
+    return next((members, group) for members, group in _GROUPS[key] if rank in members)
+
+
+def random_shape(rng: random.Random, most: int = 20) -> tuple[int, ...]:
+    """A tensor shape of 1 to 4 dimensions (a bias, a matrix, a 3-D one, a conv weight)."""
+    dims = rng.choice([1, 2, 2, 2, 3, 4])
+    if dims == 4:
+        return (rng.randint(1, most), rng.randint(1, 4), rng.choice([1, 3]), rng.choice([1, 3]))
+    return tuple(rng.randint(1, most) for _ in range(dims))
+
+
+def eps_of(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps
 TURN_TIMEOUT = datetime.timedelta(seconds=30)
 _GROUPS: dict = {}
 _TURNS = itertools.count()
@@ -190,7 +250,7 @@ def train_pair(dtype, mine, theirs, steps: int, bucket_cap_mb: float, optim: str
 
 # ----------------------------------------------------------------------------- fp16 / bf16
 
-def fp16_on_rank() -> None:
+def fp16_on_rank(seed: int) -> None:
     from labkit.compress import FlatBucket, bf16_compress_hook, compress_hook, fp16_compress_hook
     from labkit.oracles import builtin_fp16_hook
     torch_fp16 = builtin_fp16_hook()
@@ -242,6 +302,46 @@ def fp16_on_rank() -> None:
             f"{what}: rank {rank}: the group's average is {want.tolist()}, got {bucket.buffer().tolist()}"
         assert_ops(tracer, [Op("all_reduce", 7 * 2, members)], f"{what}: rank {rank}: one 16-bit all-reduce over {members}")
         assert all(e.dtype == dtype for e in tracer.events), f"{what}: the all-reduce must run in {dtype}"
+    fp16_sampled(seed)
+
+
+def fp16_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, float16 or bfloat16 on the wire, a float32 or float64 bucket of 1-4 random tensors
+    (1-D to 4-D, magnitudes 1e-3 to 1e3): the group's average of the casts, sum_r dtype(g_r) / N,
+    within its rounding bound, a value of the 16-bit type cast back, the buffer's dtype kept; one
+    all-reduce of numel x 2 bytes in the 16-bit type over the group."""
+    from labkit.compress import FlatBucket, compress_hook
+    rng, rank = sampler(seed, "fp16"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size = len(members)
+        dtype, buffer_dtype = rng.choice(LOW_PRECISION), rng.choice([torch.float32, torch.float64])
+        shapes = [random_shape(rng) for _ in range(rng.randint(1, 4))]
+        scale = 10 ** rng.uniform(-3, 3)
+        what = (f"compress.fp16: rank {rank}, seed {seed} sample {sample}: compress_hook({dtype}) over the group "
+                f"{members}, a {buffer_dtype} bucket of {shapes}, scale {scale:.3g}")
+        everyone = {}
+        for m in members:
+            gen = torch.Generator().manual_seed(seed % 100_000 + 17 * sample + m)
+            everyone[m] = [(torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(buffer_dtype)
+                           for shape in shapes]
+        bucket = FlatBucket(everyone[rank])
+        with CommTracer() as tracer:
+            got = compress_hook(dtype, group, bucket).wait()
+        numel = bucket.buffer().numel()
+        assert_ops(tracer, [Op("all_reduce", numel * 2, members)], f"{what}: one 16-bit all-reduce over the group")
+        assert all(e.dtype == dtype for e in tracer.events), f"{what}: the all-reduce must run in {dtype}"
+        assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == buffer_dtype, \
+            f"{what}: the future's value must be the buffer ({buffer_dtype}), averaged in place"
+        assert torch.equal(got, got.to(dtype).to(buffer_dtype)), f"{what}: the average must be a {dtype} value cast back"
+        casts = torch.stack([torch.cat([g.reshape(-1) for g in everyone[m]]).to(dtype).double() for m in members])
+        exact = casts.sum(0) / size
+        finfo = torch.finfo(dtype)
+        smallest = finfo.tiny * finfo.eps  # a subnormal step: a quotient below tiny keeps fewer bits
+        bound = (size + 1) * finfo.eps * casts.abs().sum(0) / size + (size + 1) * smallest
+        worst = ((got.double() - exact).abs() / bound).max().item()
+        assert worst <= 1, f"{what}: the average is off sum_r {dtype}(g_r)/N by {worst:.3g} x its rounding bound"
 
 
 # ----------------------------------------------------------------------------- PowerSGD
@@ -442,9 +542,96 @@ def powersgd_error_bound() -> None:
                                       f"at most {early:.3g} x ||G|| in steps 1-25, {late:.3g} x ||G|| in steps 26-50")
 
 
-def powersgd_by_hand() -> None:
+def powersgd_by_hand(seed: int) -> None:
     powersgd_vs_torch_by_hand()
     powersgd_error_bound()
+    powersgd_sampled(seed)
+
+
+# |yours - torch's| <= PSGD_DTYPE_TOL x the largest |torch's| of the bucket, per bucket dtype (the two
+# hooks orthogonalise in another order: torch batches the matrices of one shape, QR for r > 2)
+PSGD_DTYPE_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+def powersgd_sampled(seed: int) -> None:
+    """Configurations drawn from the whole documented space against torch's hook, step by step:
+    a random partition of the world into groups, every float dtype of the bucket (float64,
+    float32, bfloat16, float16), r 1-3, error feedback and warm start on or off, epsilon 0, 1e-8
+    or 0.1 (with an all-zero gradient matrix when > 0; 0 where torch uses QR, r > 2 in float32/64;
+    1e-3 for 1e-8 in float16, where 1e-8 is zero), min_compression_rate 1, 1.5, 2 or 4,
+    start_powerSGD_iter 0-3 (> 1 when error feedback or warm start need it), 1-3 buckets of
+    shapes that repeat (1-D to 4-D). P, Q and the error follow the bucket: the same dtype and
+    device, and every all-reduce in that dtype (its bytes: elements x its size). With warm start
+    the P and Q of a bucket are the same tensors step after step, updated in place."""
+    from labkit.compress import FlatBucket, PowerSGDState, powersgd_elements, powersgd_hook
+    from labkit.oracles import builtin_powersgd
+    rng, rank = sampler(seed, "powersgd"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+        r, feedback, warm = rng.randint(1, 3), rng.random() < 0.6, rng.random() < 0.6
+        start = rng.randint(2, 3) if feedback or warm else rng.randint(0, 3)
+        epsilon, rate = rng.choice([0.0, 1e-8, 0.1]), rng.choice([1, 1.5, 2, 4])
+        if r > 2 and dtype not in LOW_PRECISION:
+            epsilon = 0.0  # torch orthogonalises these by QR, which has no epsilon
+        if dtype == torch.float16 and epsilon == 1e-8:
+            epsilon = 1e-3  # 1e-8 is zero in float16: norm 0 + epsilon would still divide by zero
+        pool = [random_shape(rng) for _ in range(3)] + [(rng.randint(1, 20),)]
+        layouts = [[rng.choice(pool) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 3))]
+        if epsilon:
+            layouts[0].append(ZERO_SHAPE)
+        settings = dict(matrix_approximation_rank=r, start_powerSGD_iter=start, min_compression_rate=rate,
+                        use_error_feedback=feedback, warm_start=warm, orthogonalization_epsilon=epsilon, random_seed=sample)
+        mine, (theirs, torch_hook) = PowerSGDState(group, **settings), builtin_powersgd(group, **settings)
+        config = (f"compress.powersgd: rank {rank}, seed {seed} sample {sample}: group {members}, {dtype} buckets "
+                  f"{layouts}, r={r}, use_error_feedback={feedback}, warm_start={warm}, orthogonalization_epsilon="
+                  f"{epsilon}, min_compression_rate={rate}, start_powerSGD_iter={start}")
+        for step in range(start + 3):
+            for b, shapes in enumerate(layouts):
+                gen = torch.Generator().manual_seed(seed % 100_000 + 1000 * step + 10 * b + rank)
+                grads = [torch.zeros(shape, dtype=dtype) if shape == ZERO_SHAPE
+                         else torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
+                last = b == len(layouts) - 1
+                bucket, reference = FlatBucket([g.clone() for g in grads], b, last), FlatBucket(grads, b, last)
+                held = {name: (getattr(mine, name).get(b), getattr(theirs, name).get(b))
+                        for name in ("p_memory_dict", "q_memory_dict")}
+                before = {name: [None if t is None else t.clone() for t in pair] for name, pair in held.items()}
+                where = f"{config}, step {step + 1}, bucket {b}"
+                with CommTracer() as tracer:
+                    got = powersgd_hook(mine, bucket).wait()
+                want = torch_hook(theirs, reference).wait()
+                size = bucket.buffer().element_size()
+                if step < start:
+                    ops = [Op("all_reduce", bucket.buffer().numel() * size, members)]
+                else:
+                    count = powersgd_elements(shapes, r, rate)
+                    ops = [Op("all_reduce", count[key] * size, members) for key in ("uncompressed", "p", "q")]
+                assert_ops(tracer, ops, f"{where}: warm-up: the whole bucket; then the uncompressed elements, P = sum n r, "
+                                        f"Q = sum m r, over the group, in the bucket's dtype ({size} B each)")
+                assert all(e.dtype == dtype for e in tracer.events), \
+                    f"{where}: every all-reduce must run in the bucket's dtype {dtype}: {[e.dtype for e in tracer.events]}"
+                assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == dtype, \
+                    f"{where}: the future's value must be the buffer ({dtype}), averaged in place"
+                scale = want.abs().max().item() or 1.0
+                assert_close(got, want, f"{where}: the average vs torch's powerSGD_hook in {dtype} (tolerance "
+                             f"{PSGD_DTYPE_TOL[dtype]:g} x the bucket's largest value)", rtol=0,
+                             atol=PSGD_DTYPE_TOL[dtype] * scale)
+                kept = [(name, getattr(mine, name)[b]) for name in ("error_dict", "p_memory_dict", "q_memory_dict")
+                        if b in getattr(mine, name)]
+                for name, tensor in kept:
+                    assert tensor.dtype == dtype and tensor.device == got.device, (
+                        f"{where}: state.{name}[{b}] must follow the bucket ({dtype} on {got.device}), "
+                        f"got {tensor.dtype} on {tensor.device}")
+                for name, (mine_before, theirs_before) in held.items():
+                    if warm and mine_before is not None and step >= start:
+                        now, theirs_now = getattr(mine, name)[b], getattr(theirs, name)[b]
+                        assert now is mine_before, (f"{where}: with warm start state.{name}[{b}] must be the same tensor "
+                                                    "step after step (updated in place), not a new one")
+                        moved = not torch.equal(now, before[name][0])
+                        assert moved == (not torch.equal(theirs_now, before[name][1])), (
+                            f"{where}: state.{name}[{b}] {'changed' if moved else 'did not change'} in this step, "
+                            f"torch's {'did not' if moved else 'did'}")
+            assert mine.iter == theirs.iter, f"{config}: iter {mine.iter} after step {step + 1}, torch's {theirs.iter}"
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -462,7 +649,7 @@ TOPK_SHAPES = [(20, 12), (20,), (16, 20), (16,), (4, 4)]
 TOPK_SPLIT = 3  # buckets of 580 and 32 elements
 
 
-def topk_by_hand() -> None:
+def topk_by_hand(seed: int) -> None:
     from labkit.compress import FlatBucket, TopKState, topk_count, topk_hook
     rank, n = dist.get_rank(), dist.get_world_size()
     for bad in (0, -0.1, 1.5):
@@ -546,6 +733,71 @@ def topk_by_hand() -> None:
             bucket = FlatBucket([torch.randn(40, dtype=torch.float64)])
             entered_in_turn(f"compress.topk: topk_hook over {members}, step {step + 1}", members,
                             lambda: topk_hook(state, bucket))
+    topk_sampled(seed)
+
+
+def topk_sampled(seed: int) -> None:
+    """Configurations drawn from the whole documented space: a random partition of the world into
+    groups, any float dtype, a ratio in (0, 1], 1-3 buckets of random tensors (1-D to 4-D),
+    3-5 steps. Checked without assuming which of tied magnitudes is kept (16-bit values tie):
+    the new error is old error + gradient with k entries zeroed, those of largest magnitude; the
+    average is the group's mean of what every member sent (summed here in float64); the trace is
+    two all-gathers over the group, N k int64 indices and N k values in the bucket's dtype; the
+    error is kept in the bucket's dtype, on its device."""
+    from labkit.compress import FlatBucket, TopKState, topk_count, topk_hook
+    rng, rank = sampler(seed, "topk"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size = len(members)
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+        ratio = rng.choice([1.0, round(10 ** rng.uniform(-2.5, 0), 4)])
+        layouts = [[random_shape(rng) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 3))]
+        scale = 10 ** rng.uniform(-2, 2)
+        state = TopKState(group, ratio=ratio)
+        config = (f"compress.topk: rank {rank}, seed {seed} sample {sample}: group {members}, {dtype}, ratio {ratio}, "
+                  f"buckets {layouts}")
+        for step in range(rng.randint(3, 5)):
+            for b, shapes in enumerate(layouts):
+                gen = torch.Generator().manual_seed(seed % 100_000 + 1000 * step + 10 * b + rank)
+                grads = [(torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype) for shape in shapes]
+                bucket = FlatBucket(grads, index=b, last=b == len(layouts) - 1)
+                numel, k = bucket.buffer().numel(), topk_count(bucket.buffer().numel(), ratio)
+                old = state.error_dict.get(b)
+                total = bucket.buffer().clone() if old is None else bucket.buffer() + old
+                where = f"{config}, step {step + 1}, bucket {b} ({numel} values, k = {k})"
+                with CommTracer() as tracer:
+                    got = topk_hook(state, bucket).wait()
+                assert_ops(tracer, [Op("all_gather", size * k * 8, members),
+                                    Op("all_gather", size * k * total.element_size(), members)],
+                           f"{where}: two all-gathers over the group, k int64 indices then k values from each member")
+                assert [e.dtype for e in tracer.events] == [torch.int64, dtype], \
+                    f"{where}: the indices go as int64, the values in the bucket's dtype {dtype}"
+                new = state.error_dict[b]
+                assert new.dtype == dtype and new.device == total.device and new.shape == total.shape, (
+                    f"{where}: the error must be kept like the buffer ({dtype}, {total.device}, {tuple(total.shape)}), "
+                    f"got {new.dtype}, {new.device}, {tuple(new.shape)}")
+                kept = new == total
+                sent = ~kept | (total == 0)
+                assert bool(((new == 0) | kept).all()), \
+                    f"{where}: the new error is old error + gradient with the sent entries set to zero, nothing else changed"
+                zeroed = int((~kept).sum())
+                assert zeroed <= k <= int(sent.sum()), f"{where}: {zeroed} entries zeroed in the error, k = {k} must be sent"
+                if zeroed and zeroed < numel:
+                    assert total[~kept].abs().min() >= total[kept].abs().max(), (
+                        f"{where}: the entries sent must be those of largest |old error + gradient|: one sent has "
+                        f"{total[~kept].abs().min().item():.4g}, one kept back {total[kept].abs().max().item():.4g}")
+                contribution = (total - new).double()
+                summed = contribution.clone()
+                dist.all_reduce(summed, group=group)
+                magnitude = contribution.abs().clone()
+                dist.all_reduce(magnitude, group=group)
+                want = summed / size
+                bound = 2 * eps_of(dtype) * magnitude + 2 * eps_of(dtype) * want.abs() + 1e-300
+                assert got.data_ptr() == bucket.buffer().data_ptr() and got.dtype == dtype, \
+                    f"{where}: the future's value must be the buffer ({dtype}), averaged in place"
+                off = ((got.double() - want).abs() / bound).max().item()
+                assert off <= 1, (f"{where}: the average differs from the group's mean of what its members sent by "
+                                  f"{off:.3g} x the rounding bound of {dtype}")
 
 
 def topk_on_ddp() -> None:
@@ -694,15 +946,53 @@ def hierarchical_as_hook() -> None:
             f"compress.hierarchical: rank {rank}: the hook leaves the average in the buffer"
 
 
-def hierarchical_checks() -> None:
+def hierarchical_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: every layout nodes x L of the world, a
+    tensor of 1 to 4 dimensions (numel often not a multiple of L), float64, float32, bfloat16,
+    float16 or int64 (small integers: every sum exact), sync or async, called twice on one
+    NodeGroups with other shapes: equal to ``dist.all_reduce``, the result in the tensor itself,
+    the three steps traced over the right groups with the padded sizes."""
+    from labkit.compress import NodeGroups, hierarchical_all_reduce
+    rng, rank, world = sampler(seed, "hierarchical"), dist.get_rank(), dist.get_world_size()
+    layouts = [(m, world // m) for m in range(1, world + 1) if world % m == 0]
+    for sample in range(SAMPLES):
+        nodes, per_node = rng.choice(layouts)
+        groups = NodeGroups(nodes, per_node)
+        node = list(range(rank // per_node * per_node, (rank // per_node + 1) * per_node))
+        across = list(range(rank % per_node, world, per_node))
+        for call in range(2):
+            shape = random_shape(rng, most=9)
+            dtype, async_op = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64]), \
+                rng.random() < 0.5
+            what = (f"compress.hierarchical: rank {rank}, seed {seed} sample {sample} call {call + 1}: {nodes} x {per_node}, "
+                    f"{shape} {dtype}, async_op={async_op}")
+            gen = torch.Generator().manual_seed(seed % 100_000 + 31 * sample + 7 * call + rank)
+            x = torch.randint(-20, 20, shape, generator=gen).to(dtype)  # small integers: every sum exact
+            want = x.clone()
+            dist.all_reduce(want)
+            with CommTracer() as tracer:
+                returned = hierarchical_all_reduce(x, groups, async_op=async_op)
+                if async_op:
+                    assert returned.wait() is x, f"{what}: the future's value is the tensor itself"
+            assert async_op or returned is None, f"{what}: without async_op it returns None"
+            assert torch.equal(x, want), f"{what}: the sum differs from dist.all_reduce's"
+            shard = -(-x.numel() // per_node) * x.element_size()
+            assert_ops(tracer, [Op("reduce_scatter", shard * per_node, node), Op("all_reduce", shard, across),
+                                Op("all_gather", shard * per_node, node)],
+                       f"{what}: reduce-scatter of the padded tensor in the node, all-reduce of the shard across, "
+                       "all-gather in the node")
+
+
+def hierarchical_checks(seed: int) -> None:
     hierarchical_on_rank()
     hierarchical_as_hook()
+    hierarchical_sampled(seed)
 
 
 @task("compress.fp16", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fp16(world_size):
-    run_graded("compress.fp16", fp16_on_rank, world_size, timeout=120)
+    run_graded("compress.fp16", fp16_on_rank, world_size, announce_seed("compress.fp16"), timeout=120)
 
 
 @task("compress.powersgd", points=1)
@@ -720,19 +1010,19 @@ def test_powersgd_vs_torch(world_size):
 @task("compress.powersgd", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_powersgd_error_feedback(world_size):
-    run_graded("compress.powersgd", powersgd_by_hand, world_size, timeout=180)
+    run_graded("compress.powersgd", powersgd_by_hand, world_size, announce_seed("compress.powersgd"), timeout=180)
 
 
 @task("compress.topk", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_topk(world_size):
-    run_graded("compress.topk", topk_by_hand, world_size, timeout=180)
+    run_graded("compress.topk", topk_by_hand, world_size, announce_seed("compress.topk"), timeout=180)
 
 
 @task("compress.hierarchical", points=2)
 @pytest.mark.parametrize("world_size", [1, 3, 4, 6])
 def test_hierarchical(world_size):
-    run_graded("compress.hierarchical", hierarchical_checks, world_size, timeout=180)
+    run_graded("compress.hierarchical", hierarchical_checks, world_size, announce_seed("compress.hierarchical"), timeout=180)
 
 
 # ----------------------------------------------------------------------------- hooks on the chapter-02 DDP
@@ -1005,7 +1295,61 @@ def on_subgroups(column: bool) -> None:
             assert_close(layer.bias.grad, full.bias.grad[cols], f"{what}: grad bias vs one process", rtol=tol, atol=tol)
 
 
-def ag_matmul_on_rank() -> None:
+def cm_sampled(seed: int, column: bool) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, float64 or float32, with or without bias, regather on or off (column side), random
+    widths (multiples of the group's size); each layer called twice with other shapes (batch
+    B 1-3, sequence T a multiple of the group's size): output and the gradients of a random
+    incoming gradient equal one process's (and the whole trace: the ring over the group)."""
+    from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
+    rng, rank = sampler(seed, "ag_matmul" if column else "matmul_rs"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        size, me = len(members), members.index(rank)
+        dtype, bias = rng.choice([torch.float64, torch.float32]), rng.random() < 0.5
+        regather = rng.random() < 0.5 if column else None
+        d_in, d_out = size * rng.randint(1, 3), size * rng.randint(1, 3)
+        full = cm_linear(d_in, d_out, seed=rng.randrange(1000), bias=bias).to(dtype)
+        layer = (AllGatherColumnLinear.from_linear(full, group, regather=regather) if column
+                 else MatmulReduceScatterLinear.from_linear(full, group))
+        tol = CM_TOL if dtype == torch.float64 else 1e-5
+        config = (f"compress.{'ag_matmul' if column else 'matmul_rs'}: rank {rank}, seed {seed} sample {sample}: group "
+                  f"{members}, {dtype}, in {d_in}, out {d_out}, bias {bias}" + (f", regather={regather}" if column else ""))
+        for call in range(2):
+            batch_size, t = rng.randint(1, 3), rng.randint(1, 3)
+            what = f"{config}, call {call + 1}: x [{batch_size}, {size * t}, {d_in}]"
+            rows = slice(me * t, (me + 1) * t)
+            cols = slice(me * d_out // size, (me + 1) * d_out // size) if column else slice(me * d_in // size, (me + 1) * d_in // size)
+            x = cm_seeded(batch_size, size * t, d_in, seed=rng.randrange(1 << 20)).to(dtype)
+            upstream = cm_seeded(batch_size, size * t, d_out, seed=rng.randrange(1 << 20)).to(dtype)
+            mine, one = (x[:, rows] if column else x[..., cols]).clone().requires_grad_(), x.clone().requires_grad_()
+            layer.zero_grad()
+            full.zero_grad()
+            with CommTracer() as tracer:
+                y = layer(mine)
+                y.backward(upstream[..., cols] if column else upstream[:, rows])
+            message = batch_size * t * (d_in if column else d_out) * x.element_size()
+            after_me, before_me = members[(me + 1) % size], members[(me - 1) % size]
+            rings = 3 if regather else 2
+            assert_ops(tracer, rings * (size - 1) * [Op("send", message, peer=after_me), Op("recv", message, peer=before_me)],
+                       f"{what}: forward and backward, {rings} ring collectives of {size - 1} steps over the group")
+            y_one = full(one)
+            y_one.backward(upstream)
+            assert_close(y, y_one[..., cols] if column else y_one[:, rows], f"{what}: output vs one process",
+                         rtol=tol, atol=tol)
+            assert_close(mine.grad, one.grad[:, rows] if column else one.grad[..., cols],
+                         f"{what}: grad x vs one process", rtol=tol, atol=tol)
+            assert_close(layer.weight.grad, full.weight.grad[cols] if column else full.weight.grad[:, cols],
+                         f"{what}: grad weight vs one process", rtol=tol, atol=tol)
+            if bias:
+                got = layer.bias.grad.clone()
+                if not column:  # each member added the bias to its own tokens: sum the shares
+                    dist.all_reduce(got, group=group)
+                assert_close(got, full.bias.grad[cols] if column else full.bias.grad, f"{what}: grad bias vs one process",
+                             rtol=tol, atol=tol)
+
+
+def ag_matmul_on_rank(seed: int) -> None:
     from labkit.compress import AllGatherColumnLinear
     rank, n = dist.get_rank(), dist.get_world_size()
     t, width = CM_T // n, CM_HIDDEN // n
@@ -1049,9 +1393,10 @@ def ag_matmul_on_rank() -> None:
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
     on_subgroups(column=True)
+    cm_sampled(seed, column=True)
 
 
-def matmul_rs_on_rank() -> None:
+def matmul_rs_on_rank(seed: int) -> None:
     from labkit.compress import CollectiveMatmulMLP, MatmulReduceScatterLinear
     from labkit.models import MLP
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -1096,6 +1441,7 @@ def matmul_rs_on_rank() -> None:
             assert_close(got, single, f"{what}: {name} vs one process", rtol=CM_TOL, atol=CM_TOL)
         sgd(layer.weight, layer.bias, ref_w, ref_b, full.weight, full.bias)
     on_subgroups(column=False)
+    cm_sampled(seed, column=False)
 
     with torch.random.fork_rng(devices=[]):  # the MLP block, sequence-parallel on both collective matmuls
         torch.manual_seed(3)
@@ -1130,13 +1476,13 @@ def matmul_rs_on_rank() -> None:
 @task("compress.ag_matmul", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ag_matmul(world_size):
-    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, timeout=120)
+    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, announce_seed("compress.ag_matmul"), timeout=120)
 
 
 @task("compress.matmul_rs", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_matmul_rs(world_size):
-    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, timeout=120)
+    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, announce_seed("compress.matmul_rs"), timeout=120)
 # ============================================================================= end of collective matmul
 
 
@@ -1254,7 +1600,101 @@ def local_sgd_config(h: int, outer: str, inner: str, members: list[int], group) 
         assert torch.equal(model.scale, frozen), f"{at}: the frozen parameter changed"
 
 
-def local_sgd_on_rank() -> None:
+class MixedModel(nn.Module):
+    """Mixed dtypes: a float32 layer, then a float64 one; a frozen float32 scale."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(11)
+            self.fc1, self.fc2 = nn.Linear(4, width), nn.Linear(width, 2).double()
+            self.scale = nn.Parameter(torch.rand(2) + 0.5, requires_grad=False)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x.float())).double()) * self.scale.double()
+
+
+def ls_grouped(params_of, rng_choice: str):
+    """The inner optimizer with two param groups: weights with weight decay, biases without and
+    at another lr (AdamW or momentum SGD)."""
+    named = list(params_of)
+    decay = [p for name, p in named if name.endswith("weight") and p.requires_grad]
+    rest = [p for name, p in named if not name.endswith("weight")]
+    if rng_choice == "adamw":
+        return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0,
+                                                                            "lr": 0.02}], lr=0.05)
+    return torch.optim.SGD([{"params": decay, "weight_decay": 0.01}, {"params": rest, "lr": 0.05}], lr=0.1, momentum=0.9)
+
+
+def local_sgd_sampled(seed: int) -> None:
+    """Configurations drawn from the documented space: a random partition of the world into
+    groups, H 1-5, a model of float32 and float64 layers (of a random width), an inner optimizer
+    with two param groups (AdamW or momentum SGD: decay on weights only, another lr for biases),
+    an outer optimizer among plain averaging, DiLoCo's, momentum SGD at a random lr and Adam;
+    2 rounds against the one-process simulation of every member (float32's tolerance: the float64
+    layer learns from float32 activations). The
+    outer optimizer holds ``start`` itself (the same tensors round after round, updated in place)
+    and every parameter keeps its dtype."""
+    from labkit.check import tolerance
+    from labkit.compress import LocalSGD
+    rng, rank = sampler(seed, "local_sgd"), dist.get_rank()
+    for sample in range(SAMPLES):
+        members, group = random_groups(rng)
+        h, width, inner = rng.randint(1, 5), rng.randint(1, 6), rng.choice(["adamw", "sgd"])
+        outer_cls, kwargs = rng.choice([(torch.optim.SGD, {"lr": 1.0}), (torch.optim.SGD, DILOCO),
+                                        (torch.optim.SGD, {"lr": round(rng.uniform(0.2, 1.5), 3), "momentum": 0.5}),
+                                        (torch.optim.Adam, {"lr": 0.02})])
+        what = (f"compress.local_sgd: rank {rank}, seed {seed} sample {sample}: group {members}, H={h}, float32 + "
+                f"float64 layers (width {width}), inner {inner} with two param groups, outer {outer_cls.__name__}({kwargs})")
+        model = MixedModel(width)
+        local = LocalSGD(model, ls_grouped(model.named_parameters(), inner), outer_cls, kwargs, sync_every=h, group=group)
+        opt = local.inner
+        held = list(local.start)
+        sims = [MixedModel(width) for _ in members]
+        sim_opts = [ls_grouped(m.named_parameters(), inner) for m in sims]
+        anchor = [p.detach().clone() for p in sims[0].parameters() if p.requires_grad]
+        ref_outer = outer_cls(anchor, **kwargs)
+        mine = members.index(rank)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for step in range(2 * h):  # two rounds: the second starts from the outer optimizer's carried state
+            with CommTracer() as tracer:
+                ls_inner_step(model, opt, rank, step)
+                synced = local.step()
+            for m, o, r in zip(sims, sim_opts, members):
+                ls_inner_step(m, o, r, step)
+            sync = (step + 1) % h == 0
+            if sync:
+                with torch.no_grad():
+                    sim_params = [[p for p in m.parameters() if p.requires_grad] for m in sims]
+                    for i, a in enumerate(anchor):
+                        a.grad = sum(a - ps[i] for ps in sim_params) / len(members)
+                    ref_outer.step()
+                    for ps in sim_params:
+                        for a, p in zip(anchor, ps):
+                            p.copy_(a)
+            at = f"{what}, step {step + 1} ({'sync' if sync else 'local'})"
+            assert synced is sync, f"{at}: step() returned {synced}, expected {sync}"
+            ops = [Op("all_reduce", p.numel() * p.element_size(), members) for p in trainable] if sync else []
+            assert_ops(tracer, ops, f"{at}: one all-reduce per trainable tensor over the group, in its own dtype")
+            assert [e.dtype for e in tracer.events] == ([p.dtype for p in trainable] if sync else []), \
+                f"{at}: each delta must travel in its parameter's dtype: {[e.dtype for e in tracer.events]}"
+            for (name, p), ref in zip([(k, v) for k, v in model.named_parameters() if v.requires_grad],
+                                      [v for v in sims[mine].parameters() if v.requires_grad]):
+                assert p.dtype == ref.dtype, f"{at}: parameter {name} is {p.dtype}, must stay {ref.dtype}"
+                rtol, atol = tolerance(torch.float32)  # the float64 layer learns from float32 activations
+                assert_close(p, ref, f"{at}: parameter {name} vs the one-process simulation of the group",
+                             rtol=rtol, atol=atol)
+            assert all(a is b for a, b in zip(local.start, held)) and len(local.start) == len(held), \
+                f"{at}: local.start must hold the same tensors round after round (the outer optimizer's, updated in place)"
+            outer_params = [p for g in local.outer.param_groups for p in g["params"]]
+            assert len(outer_params) == len(held) and all(a is b for a, b in zip(outer_params, held)), \
+                f"{at}: the outer optimizer must optimise local.start itself"
+
+
+DILOCO = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+def local_sgd_on_rank(seed: int) -> None:
     from labkit.compress import LocalSGD
     rank, world = dist.get_rank(), dist.get_world_size()
     for bad in (0, -1):
@@ -1272,10 +1712,11 @@ def local_sgd_on_rank() -> None:
         for h in (2, 3):
             local_sgd_config(h, "diloco", "adamw", members, group)
         local_sgd_config(2, "adam", "sgd", members, group)
+    local_sgd_sampled(seed)
 
 
 @task("compress.local_sgd", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_local_sgd(world_size):
-    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, timeout=180)
+    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, announce_seed("compress.local_sgd"), timeout=180)
 # ============================================================================= end of local SGD

@@ -39,8 +39,12 @@ rpc.pipeline: 2 stages (world 1, 2, 3) or 3 stages (world 4) on their workers, d
 worker0, micro-batch counts 1, 2, 3, 4 on a batch of 13 rows (tensor_split: sizes differ by
 one) and 4 on 4 rows: outputs and every stage's gradients equal the unsplit model's, 2 momentum-
 SGD steps by DistributedOptimizer equal local ones. The stages log start and end of every
-micro-batch with a logical clock in the store: the stage before the last starts micro-batch
-i + 1 before the last ends micro-batch i (overlap). Each stage counts its concurrent entries:
+micro-batch with a logical clock in the store (evidence recorded on the stages, not reported by
+the pipeline): the stage before the last starts micro-batch i + 1 before the last ends
+micro-batch i, and every stage k + 1 starts micro-batch i before stage k ends micro-batch i + 1
+(each side holds its micro-batch until the other's start is logged, at most 20 s: event order,
+so load only delays it; a driver that runs the whole batch through stage k before stage k + 1
+gets any fails). Each stage counts its concurrent entries:
 never 2 (one micro-batch at a time), with the interleaving forced once: stage 1 holds its
 first micro-batch while the others have been sent to it. Trace: per micro-batch a remote to
 each stage but the last (the first carrying it), an rpc_async to the last bringing the output
@@ -51,6 +55,7 @@ import copy
 import datetime
 import json
 import os
+import random
 import threading
 import time
 from collections import Counter
@@ -68,6 +73,41 @@ from labkit.course.grading import run_graded, task
 H_IN, H_HID, H_OUT, STEPS, LR = 4, 6, 2, 5, 0.1
 REMOTE_STEPS = 3  # rpc.remote_ps: steps per optimizer (each trainer's optimizer state carried over 3 of its steps)
 BATCH = 13  # divides by none of 2, 3, 4: shards and micro-batches of unequal sizes
+
+# Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
+# and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws more.
+LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
+SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+SAMPLES = 6 if LONG else 1
+
+
+def announce_seed(test: str) -> int:
+    print(f"{test}: {SAMPLES} sampled configuration(s) per world size from seed {SEED} "
+          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
+    return SEED
+
+
+def sampler(seed: int, test: str) -> random.Random:
+    """The same stream on every rank (the configurations must agree), another per test."""
+    return random.Random(f"{seed}/{test}")
+
+
+def sampled_optimizer(rng: random.Random, seed: int) -> tuple:
+    """(name, class, kwargs) drawn from what DistributedOptimizer takes: SGD with momentum,
+    dampening, Nesterov and weight decay, Adam (amsgrad or not) or AdamW with other betas."""
+    kind = rng.choice(["SGD", "Adam", "AdamW"])
+    if kind == "SGD":
+        momentum = rng.choice([0.0, round(rng.uniform(0.1, 0.95), 3)])
+        nesterov = momentum > 0 and rng.random() < 0.5
+        kwargs = dict(momentum=momentum, dampening=0.0 if nesterov else rng.choice([0.0, 0.3]),
+                      nesterov=nesterov, weight_decay=rng.choice([0.0, 0.05]))
+        cls = torch.optim.SGD
+    else:
+        kwargs = dict(betas=(round(rng.uniform(0.5, 0.95), 3), round(rng.uniform(0.9, 0.999), 3)),
+                      weight_decay=rng.choice([0.0, 0.1]), amsgrad=rng.random() < 0.5)
+        cls = torch.optim.Adam if kind == "Adam" else torch.optim.AdamW
+    return f"{kind}({kwargs}) [seed {seed}]", cls, kwargs
+
 
 OPTIMIZERS = [  # (name, class, kwargs): plain, and two with state
     ("SGD", torch.optim.SGD, {}),
@@ -262,7 +302,7 @@ def _trainer_group(trainers):
 
 # ----------------------------------------------------------------------------- remote_ps
 
-def remote_ps_job() -> None:
+def remote_ps_job(seed: int) -> None:
     install_trace()
     from labkit import rpc as R
     rank, n, trainers = roles()
@@ -271,7 +311,9 @@ def remote_ps_job() -> None:
         with TorchRpcTrace() as trace, pytest.raises(ValueError):
             R.train_remote(None, skew_mse, [batch(0, rank)], lr=0.0)
         assert not trace.keys(), f"rpc.remote_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    for config, (opt_name, opt_class, opt_kwargs) in enumerate(OPTIMIZERS):
+    rng = sampler(seed, "remote_ps")
+    for config, (opt_name, opt_class, opt_kwargs) in enumerate(OPTIMIZERS + [sampled_optimizer(rng, seed)
+                                                                           for _ in range(SAMPLES)]):
         name = f"ps{config}"
         if rank == 0:
             R.start_server(small_model(frozen=True), name)
@@ -509,7 +551,7 @@ def straggler_for(bound: int, tag: str):
     return before_push
 
 
-def batching_job() -> None:
+def batching_job(seed: int) -> None:
     install_trace()
     from labkit import dp
     from labkit import rpc as R
@@ -522,9 +564,13 @@ def batching_job() -> None:
             with pytest.raises(ValueError):
                 R.start_batching_server(small_model(1), **bad, name="bad")
     assert not trace.keys(), f"rpc.batching_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    batches = [batch(step, 7) for step in range(STEPS)]
-    for config, (bound, (opt_name, opt_class, opt_kwargs)) in enumerate(BATCHING_CONFIGS):
-        what = f"rpc.batching_ps: worker{rank} of world {n}, staleness bound {bound}, {opt_name}"
+    rng = sampler(seed, "batching_ps")
+    sampled = [(rng.randint(0, 3), sampled_optimizer(rng, seed), rng.randint(max(1, len(trainers)), 17))
+               for _ in range(SAMPLES)]
+    for config, (bound, (opt_name, opt_class, opt_kwargs), rows) in enumerate(
+            [(bound, optim, BATCH) for bound, optim in BATCHING_CONFIGS] + sampled):
+        batches = [batch(step, 7, rows) for step in range(STEPS)]
+        what = f"rpc.batching_ps: worker{rank} of world {n}, staleness bound {bound}, {opt_name}, global batch {rows}"
         name = f"batching{config}"
         if rank == 0:
             server = R.start_batching_server(small_model(1, frozen=True), len(trainers), LR, bound, name=name,
@@ -572,8 +618,8 @@ def batching_job() -> None:
             want = global_reference(batches, opt_class, opt_kwargs)
             for i, (p, q) in enumerate(zip(result, want.parameters())):
                 assert_close(p, q, f"{what}: parameter {i} after {STEPS} synchronous iterations (shards "
-                                   f"{[len(s) for s in torch.empty(BATCH).tensor_split(len(trainers))]} rows) vs "
-                                   f"one process's {opt_name} on the global batch of {BATCH}")
+                                   f"{[len(s) for s in torch.empty(rows).tensor_split(len(trainers))]} rows) vs "
+                                   f"one process's {opt_name} on the global batch of {rows}")
             if config == 0 and n > 1 and dp_server_written():  # chapter 01's collective server, same data, same job
                 model = small_model(1, frozen=True)
                 opt = torch.optim.SGD(model.parameters(), lr=LR) if rank == 0 else None
@@ -655,7 +701,8 @@ def dying_trainer_job(folder: str) -> None:
 
 PIPE_STEPS = 2  # the test's momentum state carries over a step; the pipeline itself holds none
 PIPE_CONFIGS = [(1, BATCH), (2, BATCH), (3, BATCH), (4, BATCH), (4, 4)]  # (micro-batches, rows)
-WAIT_FOR_OVERLAP = 10.0  # s: the last stage holds micro-batch i until the stage before starts i + 1 (a pipeline that never does: fails)
+WAIT_FOR_OVERLAP = 20.0  # s: the last stage holds micro-batch i until the stage before starts i + 1, every other
+# stage holds micro-batch i + 1 until the next stage starts i (a pipeline that never lets them: fails)
 HOLD_FOR_SECOND = 1.5    # s: stage 1 holds its first micro-batch this long, once, for a second one to enter (a lock keeps it out)
 LOCK_PROBE = (3, 1)      # (micro-batches, step) where the probe runs
 
@@ -687,6 +734,8 @@ class ProbeStage(nn.Module):
                 end = time.monotonic() + HOLD_FOR_SECOND
                 while self.inside < 2 and time.monotonic() < end:
                     time.sleep(0.002)
+            if not self.last and step == 0 and mb > 0:
+                self.hold_until_next_stage_started(s, mb - 1)
             y = self.module(x)
             if self.last and step == 0 and mb + 1 < self.micro:
                 # polled, not store.wait: a wait would hold this process's store client, which
@@ -699,6 +748,22 @@ class ProbeStage(nn.Module):
         finally:
             with self._count:
                 self.inside -= 1
+
+    def hold_until_next_stage_started(self, s, earlier: int) -> None:
+        """Keep this micro-batch in the stage until the next stage has started the one before it
+        (its logged start), so that the two run at once: a pipeline that finishes the whole batch
+        on one stage before the next stage gets any never lets that happen, and this stage ends
+        the micro-batch only after WAIT_FOR_OVERLAP (once per configuration: then it gives up).
+        Event order, not time: a loaded machine only delays the start it waits for."""
+        started = f"{self.tag}/0/{self.index + 1}/{earlier}/start"
+        end = time.monotonic() + WAIT_FOR_OVERLAP
+        while not s.check([started]):
+            if s.check([f"{self.tag}/gave_up"]):
+                return
+            if time.monotonic() > end:
+                s.set(f"{self.tag}/gave_up", f"stage {self.index}")
+                return
+            time.sleep(0.002)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -721,7 +786,7 @@ def stage_workers(n: int) -> list[str]:
     return [f"worker{r}" for r in range(1, n)]
 
 
-def pipeline_job() -> None:
+def pipeline_job(seed: int) -> None:
     install_trace()
     from labkit import rpc as R
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -734,9 +799,11 @@ def pipeline_job() -> None:
             with pytest.raises(ValueError):
                 R.RpcPipeline([None, None], 0)
         assert not trace.keys(), f"{what}: bad input must fail before any RPC, traced {trace.keys()}"
-    for config, (micro, rows) in enumerate(PIPE_CONFIGS):
+    rng = sampler(seed, "pipeline")
+    sampled = [(micro, rng.randint(micro, 17)) for micro in (rng.randint(1, 5) for _ in range(SAMPLES))]
+    for config, (micro, rows) in enumerate(PIPE_CONFIGS + sampled):
         tag = f"pipe{config}"
-        where = f"{what}, {micro} micro-batches of a batch of {rows}"
+        where = f"{what}, {micro} micro-batches of a batch of {rows}" + (f" [seed {seed}]" if config >= len(PIPE_CONFIGS) else "")
         with TorchRpcTrace() as trace:
             dist.barrier()
             if rank == 0:
@@ -837,6 +904,12 @@ def check_overlap(tag, count, micro, what):
         assert clock(before, mb + 1, "start") < clock(last, mb, "end"), (
             f"{what}: micro-batches must overlap: stage {before} should start micro-batch {mb + 1} before stage "
             f"{last} ends micro-batch {mb}")
+    for k in range(1, count):  # evidence recorded by the stages: stage k + 1 busy while stage k is
+        for mb in range(micro - 1):
+            assert clock(k + 1, mb, "start") < clock(k, mb + 1, "end"), (
+                f"{what}: micro-batches must overlap: stage {k + 1} should start its micro-batch {mb} while stage {k} "
+                f"still runs micro-batch {mb + 1} (stage {k} held it {WAIT_FOR_OVERLAP:g} s for that); a pipeline that "
+                f"sends the next stage nothing until stage {k} has finished every micro-batch overlaps nothing")
     for k in range(1, count):
         for mb in range(micro):
             assert clock(k, mb, "end") < clock(k + 1, mb, "start"), \
@@ -849,13 +922,13 @@ def check_overlap(tag, count, micro, what):
 @task("rpc.remote_ps", points=3)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_remote_ps(world_size):
-    run_graded("rpc.remote_ps", remote_ps_job, world_size, rpc=True, timeout=90)
+    run_graded("rpc.remote_ps", remote_ps_job, world_size, announce_seed("rpc.remote_ps"), rpc=True, timeout=90)
 
 
 @task("rpc.batching_ps", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_batching_ps(world_size):
-    run_graded("rpc.batching_ps", batching_job, world_size, rpc=True, timeout=120)
+    run_graded("rpc.batching_ps", batching_job, world_size, announce_seed("rpc.batching_ps"), rpc=True, timeout=120)
 
 
 @task("rpc.batching_ps", points=1)
@@ -887,4 +960,4 @@ def test_a_dying_trainer_is_reported_at_once(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_pipeline(world_size):
     # detect_deadlock=False: a wrong pipeline's last stage waits (bounded) for an overlap that never comes
-    run_graded("rpc.pipeline", pipeline_job, world_size, rpc=True, timeout=120, detect_deadlock=False)
+    run_graded("rpc.pipeline", pipeline_job, world_size, announce_seed("rpc.pipeline"), rpc=True, timeout=120, detect_deadlock=False)

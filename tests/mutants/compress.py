@@ -92,6 +92,20 @@ MUTANTS = [
     Mutant("compress.powersgd", "gram_schmidt_no_projection", "normalises the columns but does not remove the earlier ones",
            find="        rest -= column * (column * rest).sum(dim=0, keepdim=True)\n", replace=""),
     # compress.topk
+    Mutant("compress.powersgd", "pq_in_float64", "allocates P and Q in float64 whatever the bucket's dtype (\"for "
+           "accuracy\"), multiplies in float64 and casts back: right on float64 buckets, twice or four times the "
+           "bytes of a float32 or 16-bit one",
+           find='    fresh = not state.warm_start or index not in state.q_memory_dict\n    if fresh:\n        state.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)))\n        state.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)))\n    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n    ps, qs, p_at, q_at = [], [], 0, 0\n    for matrix, rank in zip(matrices, ranks):\n        (n, m) = matrix.shape\n        ps.append(p_all[p_at:p_at + n * rank].view(n, rank))\n        qs.append(q_all[q_at:q_at + m * rank].view(m, rank))\n        p_at, q_at = p_at + n * rank, q_at + m * rank\n    if fresh:\n        state.random_qs(qs)\n    for q in qs:\n        orthogonalize(q, state.orthogonalization_epsilon)\n    for matrix, p, q in zip(matrices, ps, qs):\n        torch.matmul(matrix, q, out=p)\n    p_future = dist.all_reduce(p_all, group=group, async_op=True).get_future()\n\n    def compute_qs(_):\n        flat.div_(world)\n        offset = 0\n        for grad in plain:\n            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))\n            offset += grad.numel()\n        for matrix, p, q in zip(matrices, ps, qs):\n            orthogonalize(p, state.orthogonalization_epsilon)\n            torch.matmul(matrix.t(), p, out=q)\n        return dist.all_reduce(q_all, group=group, async_op=True).get_future()\n\n    def decompress(_):\n        q_all.div_(world)\n        for matrix, p, q in zip(matrices, ps, qs):\n            torch.matmul(p, q.t(), out=matrix)\n        if state.use_error_feedback:\n            state.error_dict[index] = intended - buffer\n        if not state.warm_start:\n            state.p_memory_dict.clear()\n            state.q_memory_dict.clear()\n',
+           replace='    fresh = not state.warm_start or index not in state.q_memory_dict\n    if fresh:\n        state.p_memory_dict[index] = buffer.new_empty(sum(m.shape[0] * r for m, r in zip(matrices, ranks)), dtype=torch.float64)\n        state.q_memory_dict[index] = buffer.new_empty(sum(m.shape[1] * r for m, r in zip(matrices, ranks)), dtype=torch.float64)\n    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n    ps, qs, p_at, q_at = [], [], 0, 0\n    for matrix, rank in zip(matrices, ranks):\n        (n, m) = matrix.shape\n        ps.append(p_all[p_at:p_at + n * rank].view(n, rank))\n        qs.append(q_all[q_at:q_at + m * rank].view(m, rank))\n        p_at, q_at = p_at + n * rank, q_at + m * rank\n    if fresh:\n        state.random_qs(qs)\n    for q in qs:\n        orthogonalize(q, state.orthogonalization_epsilon)\n    for matrix, p, q in zip(matrices, ps, qs):\n        torch.matmul(matrix.double(), q, out=p)\n    p_future = dist.all_reduce(p_all, group=group, async_op=True).get_future()\n\n    def compute_qs(_):\n        flat.div_(world)\n        offset = 0\n        for grad in plain:\n            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))\n            offset += grad.numel()\n        for matrix, p, q in zip(matrices, ps, qs):\n            orthogonalize(p, state.orthogonalization_epsilon)\n            torch.matmul(matrix.t().double(), p, out=q)\n        return dist.all_reduce(q_all, group=group, async_op=True).get_future()\n\n    def decompress(_):\n        q_all.div_(world)\n        for matrix, p, q in zip(matrices, ps, qs):\n            matrix.copy_(p @ q.t())\n        if state.use_error_feedback:\n            state.error_dict[index] = intended - buffer\n        if not state.warm_start:\n            state.p_memory_dict.clear()\n            state.q_memory_dict.clear()\n'),
+    Mutant("compress.powersgd", "error_in_float64", "keeps the error-feedback copy, and so the error, in float64 "
+           "whatever the bucket's dtype",
+           find="        intended = buffer.clone()\n", replace="        intended = buffer.to(torch.float64, copy=True)\n"),
+    Mutant("compress.powersgd", "pq_rebound_each_step", "with warm start copies P and Q into new tensors every step "
+           "(same numbers): the state's tensors are not the ones it holds, and memory churns",
+           find="    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n",
+           replace="    if not fresh:\n        state.p_memory_dict[index] = state.p_memory_dict[index].clone()\n"
+                   "        state.q_memory_dict[index] = state.q_memory_dict[index].clone()\n"
+                   "    p_all, q_all = state.p_memory_dict[index], state.q_memory_dict[index]\n"),
     Mutant("compress.topk", "no_error_feedback", "never adds last step's error back: what was not sent is lost",
            find="    if index in state.error_dict:\n        buffer.add_(state.error_dict[index])\n", replace=""),
     Mutant("compress.topk", "k_plus_one", "sends one value more than k = ratio x numel",
@@ -119,6 +133,15 @@ MUTANTS = [
     Mutant("compress.topk", "blocks", "waits for its all-gathers and returns a completed future: DDP's backward stalls",
            find="    return torch.futures.collect_all(gathered).then(scatter_add)\n",
            replace="    torch.futures.wait_all(gathered)\n    return completed(scatter_add(None))\n"),
+    Mutant("compress.topk", "divides_by_the_world", "all-gathers over the group but divides the sum by the world's size",
+           find="        buffer.div_(world)\n        return buffer\n",
+           replace="        buffer.div_(dist.get_world_size())\n        return buffer\n"),
+    Mutant("compress.topk", "values_in_float32", "sends the values as float32 whatever the bucket's dtype (cast back "
+           "on arrival): twice the bytes of a 16-bit bucket, half the precision of a float64 one",
+           find='    values = buffer[indices]\n    error = buffer.clone()\n    error[indices] = 0\n    state.error_dict[index] = error\n\n    all_indices = indices.new_empty(world * k)\n    all_values = values.new_empty(world * k)\n    gathered = [dist.all_gather_single(all_indices, indices, group=group, async_op=True).get_future(),\n                dist.all_gather_single(all_values, values, group=group, async_op=True).get_future()]\n\n    def scatter_add(_):\n        buffer.zero_().index_add_(0, all_indices, all_values)',
+           replace='    values = buffer[indices].float()\n    error = buffer.clone()\n    error[indices] = 0\n    state.error_dict[index] = error\n\n    all_indices = indices.new_empty(world * k)\n    all_values = values.new_empty(world * k)\n    gathered = [dist.all_gather_single(all_indices, indices, group=group, async_op=True).get_future(),\n                dist.all_gather_single(all_values, values, group=group, async_op=True).get_future()]\n\n    def scatter_add(_):\n        buffer.zero_().index_add_(0, all_indices, all_values.to(buffer.dtype))'),
+    Mutant("compress.topk", "error_in_float32", "keeps the error in float32 whatever the bucket's dtype",
+           find="    state.error_dict[index] = error\n", replace="    state.error_dict[index] = error.float()\n"),
     # compress.hierarchical
     Mutant("compress.hierarchical", "across_over_world", "all-reduces the shard over the whole world instead of across nodes",
            find="dist.all_reduce(part, group=groups.across, async_op=True)", replace="dist.all_reduce(part, async_op=True)"),
@@ -308,6 +331,21 @@ MUTANTS += [
     Mutant("compress.local_sgd", "inner_state_reset", "clears the inner optimizer's state at every sync (DiLoCo keeps "
            "AdamW's moments on each rank across rounds)",
            find="        self.outer.step()\n", replace="        self.outer.step()\n        self.inner.state.clear()\n"),
+    Mutant("compress.local_sgd", "deltas_in_float64", "computes and all-reduces every delta in float64 \"for "
+           "accuracy\": right on a float64 model, twice the bytes of a float32 layer",
+           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n"
+                "        works = [dist.all_reduce(delta, group=self.group, async_op=True) for delta in deltas]\n"
+                "        for start, delta, work in zip(self.start, deltas, works):\n"
+                "            work.wait()\n            start.grad = delta.div_(n)\n",
+           replace="        deltas = [(start - param).double() for start, param in zip(self.start, self.params)]\n"
+                   "        works = [dist.all_reduce(delta, group=self.group, async_op=True) for delta in deltas]\n"
+                   "        for start, delta, work in zip(self.start, deltas, works):\n"
+                   "            work.wait()\n            start.grad = delta.div_(n).to(start.dtype)\n"),
+    Mutant("compress.local_sgd", "params_from_optimizer_groups", "takes the parameters from the inner optimizer's "
+           "param groups, in their order: right with one group, paired with the wrong start with two",
+           find="        deltas = [start - param for start, param in zip(self.start, self.params)]\n",
+           replace="        self.params = [p for g in self.inner.param_groups for p in g['params'] if p.requires_grad]\n"
+                   "        deltas = [start - param for start, param in zip(self.start, self.params)]\n"),
     Mutant("compress.local_sgd", "ignores_the_group", "all-reduces over the world whatever group it is given",
            find="dist.all_reduce(delta, group=self.group, async_op=True)", replace="dist.all_reduce(delta, async_op=True)"),
     Mutant("compress.local_sgd", "sum_not_mean", "never divides the summed deltas by N",

@@ -147,6 +147,18 @@ MUTANTS = [
            "rref.to_here() (torch directly, around the traced wrappers) before sending it on",
            find="                value = remote(stage.owner(), stage_forward, stage, value)\n",
            replace="                value = remote(stage.owner(), stage_forward, stage, value).to_here()\n"),
+    Mutant("rpc.pipeline", "stage_by_stage", "runs every micro-batch through stage 1 and waits for them all, then "
+           "through stage 2, ...: right outputs and gradients, the right messages, nothing overlaps (a GPipe with "
+           "a bubble of the whole batch)",
+           find="        futures = []\n        for micro_batch in x.tensor_split(self.micro_batches):\n"
+                "            value = micro_batch\n            for stage in self.stages[:-1]:\n"
+                "                value = remote(stage.owner(), stage_forward, stage, value)\n",
+           replace="        futures, values = [], list(x.tensor_split(self.micro_batches))\n"
+                   "        for stage in self.stages[:-1]:\n"
+                   "            values = [remote(stage.owner(), stage_forward, stage, v) for v in values]\n"
+                   "            for v in values:  # the stage finishes the whole batch before the next begins\n"
+                   "                v._get_future().wait()\n"
+                   "        for value in values:\n            if True:\n                pass\n"),
 ]
 
 # `labkit mutate rpc` survivors that no test can tell from the reference (labkit/course/automut.py).
