@@ -33,18 +33,6 @@ def ring_neighbours(group=None) -> tuple[int, int]:
             dist.get_global_rank(group or dist.group.WORLD, (me - 1) % n))
 
 
-def padded_view(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-    """(a flat tensor of N equal chunks holding ``tensor``, the chunk length). The tensor's own
-    memory (a view) when it is contiguous and N divides its size; otherwise a zero-padded
-    copy, which the caller copies back."""
-    chunk = -(-tensor.numel() // n)  # ceil(S/N)
-    if tensor.is_contiguous() and tensor.numel() == n * chunk:
-        return tensor.view(-1), chunk
-    padded = tensor.new_zeros(n * chunk)
-    padded[: tensor.numel()] = tensor.reshape(-1)
-    return padded, chunk
-
-
 def exchange(send_buf: torch.Tensor, recv_buf: torch.Tensor, to_rank: int, from_rank: int) -> None:
     """Send to one neighbour while receiving from the other.
 
@@ -107,7 +95,14 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> None:
     """Like ``dist.all_reduce`` with SUM, in place, for a tensor of any shape and size."""
     # BEGIN SOLUTION collectives.all_reduce: in place on a view of N chunks: N-1 exchanges into one reused receive buffer, add_ into the chunk that arrived; then ring_all_gather your chunk into the tensor (input a view of output). Pad only when N does not divide the size
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    flat, chunk = padded_view(tensor, n)
+    chunk = -(-tensor.numel() // n)  # ceil(S/N)
+    # Work on the tensor's own memory when we can: a flat view of N chunks. Only a tensor
+    # that is not contiguous, or whose size N does not divide, costs a padded copy in and out.
+    if tensor.is_contiguous() and tensor.numel() == n * chunk:
+        flat = tensor.view(-1)
+    else:
+        flat = tensor.new_zeros(n * chunk)
+        flat[: tensor.numel()] = tensor.reshape(-1)
     chunks = flat.view(n, chunk)
     if n > 1:
         to_rank, from_rank = ring_neighbours(group)
@@ -136,7 +131,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, group=None, segments: int = 
     n, me = dist.get_world_size(group), dist.get_rank(group)
     if n == 1:
         return
-    flat, chunk = padded_view(tensor, n)
+    flat, chunk = _padded_view(tensor, n)
     chunks = flat.view(n, chunk)
     seg = -(-chunk // segments)
     bounds = [(a, min(a + seg, chunk)) for a in range(0, chunk, seg)]
@@ -172,3 +167,15 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, group=None, segments: int = 
         send.wait()
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat[: tensor.numel()].view_as(tensor))
+
+
+def _padded_view(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """(a flat tensor of N equal chunks holding ``tensor``, the chunk length). The tensor's own
+    memory (a view) when it is contiguous and N divides its size; otherwise a zero-padded
+    copy, which the caller copies back."""
+    chunk = -(-tensor.numel() // n)  # ceil(S/N)
+    if tensor.is_contiguous() and tensor.numel() == n * chunk:
+        return tensor.view(-1), chunk
+    padded = tensor.new_zeros(n * chunk)
+    padded[: tensor.numel()] = tensor.reshape(-1)
+    return padded, chunk
