@@ -42,7 +42,8 @@ from labkit.course.grading import run_graded, task
 from tests.grading import configs
 
 WORLD_SIZES = [1, 2, 3, 4]
-# (dtype, shape of one rank's chunk): odd sizes, floats and integers.
+# (dtype, shape of one rank's chunk): odd sizes, floats and integers; every other one is
+# passed in place (see reduce_scatter_case and all_gather_case).
 CHUNKS = [(torch.float32, (7,)), (torch.float64, (1001,)), (torch.int64, (13,)), (torch.float32, (1,))]
 # (dtype, shape) for all-reduce: any size and shape, mostly not divisible by N; the 3-D one
 # is passed as a non-contiguous view (see all_reduce_case).
@@ -146,7 +147,7 @@ def check_refused(task_id, fn, output, input, group, members) -> None:
 def reduce_scatter_on_rank(drawn=()) -> None:
     rank = dist.get_rank()
     groups = all_groups(dist.get_world_size())
-    cases = [dict(dtype=dtype, shape=chunk, layout=layout, in_place=False, salt=salt, replay="")
+    cases = [dict(dtype=dtype, shape=chunk, layout=layout, in_place=salt % 2 == 1, salt=salt, replay="")
              for layout in range(len(groups)) for salt, (dtype, chunk) in enumerate(CHUNKS)]
     for case in [*cases, *drawn]:
         group, members = groups[case["layout"]]
@@ -190,7 +191,7 @@ def reduce_scatter_case(group, members, case) -> None:
 def all_gather_on_rank(drawn=()) -> None:
     from labkit.collectives import ring_all_gather
     groups = all_groups(dist.get_world_size())
-    cases = [dict(dtype=dtype, shape=chunk, layout=layout, in_place=False, salt=salt, replay="")
+    cases = [dict(dtype=dtype, shape=chunk, layout=layout, in_place=salt % 2 == 1, salt=salt, replay="")
              for layout in range(len(groups)) for salt, (dtype, chunk) in enumerate(CHUNKS)]
     for case in [*cases, *drawn]:
         group, members = groups[case["layout"]]
