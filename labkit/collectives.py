@@ -118,11 +118,11 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> None:
     # END SOLUTION
 
 
-# ----------------------------------------------------------------------------- given: closing the gap
+# ----------------------------------------------------------------------------- given: where the time goes (lab 00)
 
 def pipelined_ring_all_reduce(tensor: torch.Tensor, group=None, segments: int = 2) -> None:
-    """A ring all-reduce that overlaps its additions with its transfers (lab 00, "closing the
-    gap"): every chunk is cut into ``segments`` (at least 2), and each segment moves on to the
+    """A ring all-reduce that overlaps its additions with its transfers (lab 00, "where the
+    time goes"): every chunk is cut into ``segments`` (at least 2), and each segment moves on to the
     next step as soon as it has been added, instead of the whole chunk waiting for the whole
     step. The reduce-scatter and all-gather steps run as one pipeline; the bytes on the wire
     are the ring's 2 (N-1)/N S, in 2 (N-1) x segments messages. In place, like the ring."""
