@@ -49,7 +49,10 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
     """Like ``dist.reduce_scatter_single`` (``reduce_scatter_tensor``) with SUM.
 
     ``input`` holds N equal chunks (``input.numel() == N * output.numel()``); chunk r of
-    the sum over ranks lands in ``output`` on rank r.
+    the sum over ranks lands in ``output`` on rank r. Any shape and dtype that can be summed.
+    Writes ``output`` only: ``input`` is the caller's and stays as it was, except that
+    ``output`` may be a view of ``input``'s own chunk (in place, as with
+    ``reduce_scatter_tensor``), so read that chunk before you write ``output``.
     """
     # BEGIN SOLUTION collectives.reduce_scatter: pass a running sum around the ring for N-1 steps; rank r must end with chunk r
     me, n = dist.get_rank(group), dist.get_world_size(group)
@@ -77,6 +80,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
     """Like ``dist.all_gather_single`` (``all_gather_into_tensor``).
 
     ``output`` (contiguous, N times the size of ``input``) receives every rank's ``input``, in rank order.
+    Any shape and dtype. Writes ``output`` only; ``input`` may be a view of ``output``'s own
+    chunk (in place, as ``all_gather_into_tensor`` allows), so do not clear ``output`` first.
     """
     # BEGIN SOLUTION collectives.all_gather: forward the chunk you received last step to the next rank, N-1 times
     me, n = dist.get_rank(group), dist.get_world_size(group)
@@ -92,7 +97,8 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> No
 
 
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> None:
-    """Like ``dist.all_reduce`` with SUM, in place, for a tensor of any shape and size."""
+    """Like ``dist.all_reduce`` with SUM, in place, for a tensor of any shape, size and dtype
+    (contiguous or not): the result is written into ``tensor``'s own memory."""
     # BEGIN SOLUTION collectives.all_reduce: in place on a view of N chunks: N-1 exchanges into one reused receive buffer, add_ into the chunk that arrived; then ring_all_gather your chunk into the tensor (input a view of output). Pad only when N does not divide the size
     n, me = dist.get_world_size(group), dist.get_rank(group)
     chunk = -(-tensor.numel() // n)  # ceil(S/N)
