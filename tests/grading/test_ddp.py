@@ -5,13 +5,16 @@ with momentum and weight decay, so that a zero gradient and a missing one differ
 learner's DDP must match a single-process model trained on the global batch and the
 built-in ``DistributedDataParallel``, gradient by gradient after each backward and
 parameter by parameter after each step. The models carry tied, frozen and unused
-parameters (``ToyModel``) and a GPT with a tied head and a frozen position embedding.
+parameters (``ToyModel``), a GPT with a tied head and a frozen position embedding, and a
+model with float32 and float64 parameters (``MixedToy``: per-parameter mode and 100-byte
+buckets, which split where the dtype changes; float32 tolerances there).
 
 Behaviour, traced with ``CommTracer`` at every step, the whole signature and nothing else:
 
 * ddp.broadcast: at construction one broadcast per dtype of the parameters (a tied one once)
   and buffers, of their summed numel x element size, on the model's group; at each forward
-  one per dtype of the buffers; the values are those of the group's first rank.
+  one per dtype of the buffers; the values are those of the group's first rank, written into
+  each tensor's own memory (its storage is kept).
 * ddp.per_parameter / ddp.bucketed, per synchronised backward: one all-reduce per gradient
   (per-parameter mode) or per bucket, with the bytes the size cap implies (derived here from
   the parameter sizes), launched in bucket order, on the model's group, during backward; plus

@@ -10,7 +10,8 @@ embedding. Where PyTorch ships the technique it is compared too (DistributedSamp
   not, drop_last both ways, shuffled or not, several seeds and epochs; with no
   communication at all (shared randomness, not messages: the trace must be empty).
 * dp.grad_average: equal shards (plain mean, also against DDP), unequal shards (weighted by
-  samples), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
+  samples), a model with float64 and float32 parameters (``MixedToy``: each gradient averaged
+  in its own dtype; float32 tolerances), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
   and a world split into two groups that average separately (group=). At every step the
   tracer checks the whole signature: first ONE agreement all-reduce of P + 1 values (a flag
   per trainable parameter, plus the weight), then one all-reduce per gradient that some rank

@@ -37,6 +37,14 @@ and {0,2}|{1,3}; at 3 the pair {0,2}, rank 1 standing by), where the shard is th
 the traffic the group's, and the averages over the group's size:
     zero.stage1  ShardedOptimizer(group=) step(): world, those subgroups, and {1,2,3} of 4 (own test)
     zero.stage2  ShardedOptimizer(group=, shard_gradients=True): world and those subgroups
+Param groups (zero.stage1 and zero.stage2, inside the world's launch): the ToyModel with two
+groups, matrices with weight decay 0.05 and vectors with none and another lr, under an
+optimizer with state (SGD with momentum, always; then K drawn from the run's seed:
+AdamW, Adam with amsgrad, momentum or Nesterov SGD, a loss scaled by 0.25-3 before backward,
+2-4 steps; ``tests/grading/configs.py``), then ``state_dict()`` into a new ShardedOptimizer
+that takes one more step; parameters against the torch optimizer in one process after every
+step.
+
 Overlap: none claimed (ZeRO-2 here reduce-scatters once, at the end of backward, inside
 autograd: checked by the event's in_backward flag).
 """
