@@ -525,8 +525,16 @@ def check_data_parallel_training(data_parallel, replicas):
             out = data_parallel(model, (x,), replicas)
             ref_out = logits(ref(x))
             assert_close(logits(out), ref_out, what + ", gathered output")
-            criterion(logits(out), y).backward()
-            criterion(ref_out, y).backward()
+            if step % 2 == 0:
+                criterion(logits(out), y).backward()
+                criterion(ref_out, y).backward()
+            else:  # a random incoming gradient, not a loss's: every element of the output gets its
+                # own weight, scaled like a mean loss's (1/numel) so float32's tolerance still fits
+                incoming = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step),
+                                       dtype=ref_out.dtype) / ref_out.numel()
+                logits(out).backward(incoming)
+                ref_out.backward(incoming)
+                what += " (backward of a random incoming gradient)"
             compare_grads(model, ref, what)  # the replicas' gradients summed into the master's
             opt.step()
             ref_opt.step()
