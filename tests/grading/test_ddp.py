@@ -5,13 +5,16 @@ with momentum and weight decay, so that a zero gradient and a missing one differ
 learner's DDP must match a single-process model trained on the global batch and the
 built-in ``DistributedDataParallel``, gradient by gradient after each backward and
 parameter by parameter after each step. The models carry tied, frozen and unused
-parameters (``ToyModel``) and a GPT with a tied head and a frozen position embedding.
+parameters (``ToyModel``), a GPT with a tied head and a frozen position embedding, and a
+model with float32 and float64 parameters (``MixedToy``: per-parameter mode and 100-byte
+buckets, which split where the dtype changes; float32 tolerances there).
 
 Behaviour, traced with ``CommTracer`` at every step, the whole signature and nothing else:
 
 * ddp.broadcast: at construction one broadcast per dtype of the parameters (a tied one once)
   and buffers, of their summed numel x element size, on the model's group; at each forward
-  one per dtype of the buffers; the values are those of the group's first rank.
+  one per dtype of the buffers; the values are those of the group's first rank, written into
+  each tensor's own memory (its storage is kept).
 * ddp.per_parameter / ddp.bucketed, per synchronised backward: one all-reduce per gradient
   (per-parameter mode) or per bucket, with the bytes the size cap implies (derived here from
   the parameter sizes), launched in bucket order, on the model's group, during backward; plus
@@ -59,7 +62,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from labkit.check import assert_close
+from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
@@ -81,7 +84,27 @@ CASES = {
     "toy, 25 MB buckets": ("toy", dict(bucket_cap_mb=25.0, find_unused_parameters=True)),
     "toy, 100-byte buckets": ("toy", dict(bucket_cap_mb=100 / 2 ** 20, find_unused_parameters=True)),
     "gpt, 4 KiB buckets": ("gpt", dict(bucket_cap_mb=4 * KiB)),
+    "mixed dtypes, per-parameter": ("mixed", dict(bucket_cap_mb=None, find_unused_parameters=True)),
+    "mixed dtypes, 100-byte buckets": ("mixed", dict(bucket_cap_mb=100 / 2 ** 20, find_unused_parameters=True)),
 }
+
+
+class MixedToy(torch.nn.Module):
+    """Parameters of two dtypes in one model: a float32 matrix used twice, float64 biases, and
+    a float64 vector no forward uses. Buckets split where the dtype changes; every gradient
+    keeps its parameter's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        toy = ToyModel(seed=0)
+        self.weight = torch.nn.Parameter(toy.shared.detach().clone())
+        self.bias = torch.nn.Parameter(toy.bias_in.detach().double())
+        self.out = torch.nn.Parameter(toy.bias_out.detach().double())
+        self.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.weight.t() + self.bias)   # float32 + float64 -> float64
+        return h.float() @ self.weight + self.out
 
 
 def one_thread(fn, *args) -> None:
@@ -95,19 +118,21 @@ def make_model(kind: str) -> torch.nn.Module:
     """Identical on every rank: seeded weights."""
     if kind == "toy":
         return ToyModel(seed=0)  # tied `shared`, frozen `frozen`, unused `unused`, buffer `scale`
+    if kind == "mixed":
+        return MixedToy()
     model = GPT(GPT_CONFIG, seed=0)  # lm_head tied to wte
     model.wpe.weight.requires_grad_(False)  # a frozen parameter in the GPT too
     return model
 
 
 def make_data(kind: str, samples: int):
-    if kind == "toy":
+    if kind in ("toy", "mixed"):
         return regression(samples, 8, 8, seed=1)
     return markov_tokens(samples, GPT_CONFIG.block_size, GPT_CONFIG.vocab_size, seed=1)
 
 
 def loss_of(kind: str, model, x, y) -> torch.Tensor:
-    return toy_loss(model, x, y) if kind == "toy" else model(x, y)[1]
+    return toy_loss(model, x, y) if kind in ("toy", "mixed") else model(x, y)[1]
 
 
 def halves(n: int) -> list[list[int]]:
@@ -165,19 +190,19 @@ def expected_all_reduce_bytes(model, ddp_kwargs, got_grad) -> list[int]:
     return sizes + ([size] if size else [])
 
 
-def check_grads(task_id: str, where: str, model, other, against: str) -> None:
+def check_grads(task_id: str, where: str, model, other, against: str, rtol=None, atol=None) -> None:
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
         what = f"{task_id}: {where}, gradient of {name!r} vs {against}"
         if q.grad is None:
             assert p.grad is None, f"{what}: should be None (frozen, or used by no rank), got a tensor"
         else:
             assert p.grad is not None, f"{what}: is None after backward"
-            assert_close(p.grad, q.grad, what)
+            assert_close(p.grad, q.grad, what, rtol, atol)
 
 
-def check_params(task_id: str, where: str, model, other, against: str) -> None:
+def check_params(task_id: str, where: str, model, other, against: str, rtol=None, atol=None) -> None:
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
-        assert_close(p.detach(), q.detach(), f"{task_id}: {where}, parameter {name!r} vs {against}")
+        assert_close(p.detach(), q.detach(), f"{task_id}: {where}, parameter {name!r} vs {against}", rtol, atol)
 
 
 def check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter, find_unused,
@@ -237,6 +262,8 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
     ``groups``: a partition of the world, one model per group (None: one over the world)."""
     from labkit.ddp import DDP
     kind, ddp_kwargs = CASES[case]
+    # float32 parameters feed float64 ones: every value carries float32 rounding.
+    tol = tolerance(torch.float32) if kind == "mixed" else (None, None)
     group, members = own_group(groups)
     rank = dist.get_rank()
     n, me = len(members), members.index(rank)
@@ -281,19 +308,19 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
                 # Overlap is checked where the first bucket can fill early: not when one
                 # bucket holds everything, nor when it holds `unused` (ready at the end only).
                 per_parameter = ddp_kwargs["bucket_cap_mb"] is None
-                overlap = per_parameter or (kind == "gpt" and len(expected) > 1)
+                overlap = (per_parameter and kind != "mixed") or (kind == "gpt" and len(expected) > 1)
                 check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter,
                                       ddp_kwargs.get("find_unused_parameters", False), trainable,
                                       members, overlap)
-        check_grads(task_id, where, models["ours"], models["reference"], "the single-process reference")
-        check_grads(task_id, where, models["ours"], models["builtin"], "DistributedDataParallel")
+        check_grads(task_id, where, models["ours"], models["reference"], "the single-process reference", *tol)
+        check_grads(task_id, where, models["ours"], models["builtin"], "DistributedDataParallel", *tol)
         for name in models:
             optims[name].step()
             optims[name].zero_grad()
         check_params(task_id, where + " (after the optimizer step)", models["ours"], models["reference"],
-                     "the single-process reference")
+                     "the single-process reference", *tol)
         check_params(task_id, where + " (after the optimizer step)", models["ours"], models["builtin"],
-                     "DistributedDataParallel")
+                     "DistributedDataParallel", *tol)
 
 
 # ----------------------------------------------------------------------------- ddp.broadcast
@@ -313,8 +340,12 @@ def broadcast_on_rank(groups=None) -> None:
     one_per_dtype = "one broadcast per dtype (the tensors of that dtype flattened into one message)"
 
     tensors, expected = mixed_tensors(rank), mixed_tensors(src)
+    storages = [t.data_ptr() for t in tensors]
     with CommTracer() as tracer:
         call_broadcast(where, src, broadcast_tensors, tensors, group)
+    for i, (t, before) in enumerate(zip(tensors, storages)):
+        assert t.data_ptr() == before, (f"{where}, broadcast_tensors: tensor {i} now lives in other memory; "
+                                        "overwrite each tensor in place (copy_), do not rebind it (.data =)")
     assert_ops(tracer, [Op("broadcast", size, members) for size in per_dtype_bytes(expected)],
                f"{where}, broadcast_tensors of float32, int64, float64 and float32 tensors: {one_per_dtype}, "
                f"over ranks {tuple(members)}")
@@ -391,6 +422,7 @@ def per_parameter_on_rank() -> None:
     # The GPT trains in two groups (halves of the world, each its own model): process_group=
     # and its size must be honoured.
     train_and_compare("ddp.per_parameter", "toy, per-parameter")
+    train_and_compare("ddp.per_parameter", "mixed dtypes, per-parameter")
     train_and_compare("ddp.per_parameter", "gpt, per-parameter", groups=halves(dist.get_world_size()))
 
 
@@ -406,7 +438,7 @@ def test_per_parameter(world_size):
 def bucketed_on_rank(groups=None) -> None:
     # On sub-groups, one case is enough: it checks that process_group= is honoured.
     cases = ["gpt, 4 KiB buckets"] if groups else ["toy, 25 MB buckets", "toy, 100-byte buckets",
-                                                   "gpt, 4 KiB buckets"]
+                                                   "gpt, 4 KiB buckets", "mixed dtypes, 100-byte buckets"]
     for case in cases:
         train_and_compare("ddp.bucketed", case, groups=groups)
     train_with_hook(groups)

@@ -10,7 +10,8 @@ embedding. Where PyTorch ships the technique it is compared too (DistributedSamp
   not, drop_last both ways, shuffled or not, several seeds and epochs; with no
   communication at all (shared randomness, not messages: the trace must be empty).
 * dp.grad_average: equal shards (plain mean, also against DDP), unequal shards (weighted by
-  samples), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
+  samples), a model with float64 and float32 parameters (``MixedToy``: each gradient averaged
+  in its own dtype; float32 tolerances), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
   and a world split into two groups that average separately (group=). At every step the
   tracer checks the whole signature: first ONE agreement all-reduce of P + 1 values (a flag
   per trainable parameter, plus the weight), then one all-reduce per gradient that some rank
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler
 
-from labkit.check import assert_close
+from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
@@ -73,6 +74,24 @@ def one_thread():
 
 def make_toy():
     return ToyModel(seed=0).double()  # float64: the comparisons stay tight over many steps
+
+
+class MixedToy(torch.nn.Module):
+    """The ToyModel's weights in two dtypes: a float64 matrix (used twice) and float32 biases,
+    plus a float32 vector no forward uses. Autograd gives each gradient its parameter's dtype,
+    and so must the average."""
+
+    def __init__(self):
+        super().__init__()
+        toy = make_toy()
+        self.weight = torch.nn.Parameter(toy.shared.detach().clone())
+        self.bias = torch.nn.Parameter(toy.bias_in.detach().float())
+        self.out = torch.nn.Parameter(toy.bias_out.detach().float())
+        self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.weight.t() + self.bias)   # float64 + float32 -> float64
+        return h @ self.weight + self.out
 
 
 def make_gpt():
@@ -105,19 +124,19 @@ def sgd(model, lr):
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
-def compare_grads(model, ref, what):
+def compare_grads(model, ref, what, rtol=None, atol=None):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         if q.grad is None or p.grad is None:
             assert p.grad is None and q.grad is None, (
                 f"{what}, {name}.grad: {'None' if p.grad is None else 'a tensor'}, expected "
                 f"{'None' if q.grad is None else 'a tensor'}")
             continue
-        assert_close(p.grad, q.grad, f"{what}, {name}.grad")
+        assert_close(p.grad, q.grad, f"{what}, {name}.grad", rtol, atol)
 
 
-def compare_params(model, ref, what):
+def compare_params(model, ref, what, rtol=None, atol=None):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert_close(p.detach(), q.detach(), f"{what}, {name}")
+        assert_close(p.detach(), q.detach(), f"{what}, {name}", rtol, atol)
 
 
 # ----------------------------------------------------------------------------- dp.sampler
@@ -233,7 +252,10 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
     from labkit.dp import average_gradients
     rank, n = dist.get_rank(), dist.get_world_size()
     # Unequal shards test the weighting; the ToyModel alone is enough for that.
-    for name, make_model, loss_fn, batches, lr in cases(batch)[:1 if weighted else 2]:
+    mixed = ("float64 and float32 parameters in one model", MixedToy, toy_loss, toy_batches(batch), 0.1)
+    for name, make_model, loss_fn, batches, lr in [*cases(batch)[:1 if weighted else 2], mixed]:
+        # float32 parameters feed float64 ones: after a step every value carries float32 rounding.
+        tol = tolerance(torch.float32) if make_model is MixedToy else (None, None)
         model, ref = make_model(), make_model()
         opt, ref_opt = sgd(model, lr), sgd(ref, lr)
         # DDP is the built-in for the plain mean (equal shards).
@@ -253,16 +275,16 @@ def grad_average_on_rank(batch: int, weighted: bool) -> None:
             with CommTracer() as tracer:
                 average_gradients(model, num_samples=len(xs) if weighted else None)
             check_average_ops(tracer, model, some_rank_has_grad(ref), range(n), what)
-            compare_grads(model, ref, what)
+            compare_grads(model, ref, what, *tol)
             opt.step()
             ref_opt.step()
-            compare_params(model, ref, what + " (after the step)")
+            compare_params(model, ref, what + " (after the step)", *tol)
             if ddp is not None:
                 ddp_opt.zero_grad(set_to_none=True)
                 loss_fn(ddp, xs, ys).backward()
                 ddp_opt.step()
                 for (k, p), q in zip(model.named_parameters(), ddp_model.parameters()):
-                    assert_close(p.detach(), q.detach(), f"{what}, {k} vs DistributedDataParallel")
+                    assert_close(p.detach(), q.detach(), f"{what}, {k} vs DistributedDataParallel", *tol)
         for k, p in model.named_parameters():
             if k in frozen:
                 assert torch.equal(p.detach(), frozen[k]), f"dp.grad_average: rank {rank}, {name}: frozen {k} changed"
@@ -503,8 +525,16 @@ def check_data_parallel_training(data_parallel, replicas):
             out = data_parallel(model, (x,), replicas)
             ref_out = logits(ref(x))
             assert_close(logits(out), ref_out, what + ", gathered output")
-            criterion(logits(out), y).backward()
-            criterion(ref_out, y).backward()
+            if step % 2 == 0:
+                criterion(logits(out), y).backward()
+                criterion(ref_out, y).backward()
+            else:  # a random incoming gradient, not a loss's: every element of the output gets its
+                # own weight, scaled like a mean loss's (1/numel) so float32's tolerance still fits
+                incoming = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(step),
+                                       dtype=ref_out.dtype) / ref_out.numel()
+                logits(out).backward(incoming)
+                ref_out.backward(incoming)
+                what += " (backward of a random incoming gradient)"
             compare_grads(model, ref, what)  # the replicas' gradients summed into the master's
             opt.step()
             ref_opt.step()

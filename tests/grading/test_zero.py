@@ -37,6 +37,14 @@ and {0,2}|{1,3}; at 3 the pair {0,2}, rank 1 standing by), where the shard is th
 the traffic the group's, and the averages over the group's size:
     zero.stage1  ShardedOptimizer(group=) step(): world, those subgroups, and {1,2,3} of 4 (own test)
     zero.stage2  ShardedOptimizer(group=, shard_gradients=True): world and those subgroups
+Param groups (zero.stage1 and zero.stage2, inside the world's launch): the ToyModel with two
+groups, matrices with weight decay 0.05 and vectors with none and another lr, under an
+optimizer with state (SGD with momentum, always; then K drawn from the run's seed:
+AdamW, Adam with amsgrad, momentum or Nesterov SGD, a loss scaled by 0.25-3 before backward,
+2-4 steps; ``tests/grading/configs.py``), then ``state_dict()`` into a new ShardedOptimizer
+that takes one more step; parameters against the torch optimizer in one process after every
+step.
+
 Overlap: none claimed (ZeRO-2 here reduce-scatters once, at the end of backward, inside
 autograd: checked by the event's in_backward flag).
 """
@@ -54,6 +62,7 @@ from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.memory import grad_bytes, optimizer_state_bytes, tensor_bytes
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
+from tests.grading import configs
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
@@ -266,6 +275,75 @@ def test_partition(world_size):
     run_graded("zero.partition", partition_on_rank, world_size)
 
 
+# ----------------------------------------------------------------------------- param groups
+
+
+# Optimizers with state, by name (sent to the ranks as names): each with options the groups
+# below override, so that a group's options lost on the way show.
+GROUP_OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "SGD momentum": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.1)),
+    "Adam amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True, weight_decay=0.1)),
+    "SGD nesterov": (torch.optim.SGD, dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.1)),
+}
+# Always run (the mutants that ignore groups die whatever the seed), then the drawn ones.
+GROUP_CASES = [dict(optimizer="SGD momentum", loss_scale=2.0, lr_ratio=3.0, steps=3, replay="")]
+
+
+def draw_group_cases(task_id: str, n: int) -> list[dict]:
+    rng = configs.rng(f"{task_id}:{n}")
+    return [dict(optimizer=rng.choice(sorted(GROUP_OPTIMIZERS)), loss_scale=rng.choice([1.0, 0.25, 3.0]),
+                 lr_ratio=rng.choice([0.5, 2.0, 5.0]), steps=rng.randint(2, 4),
+                 replay=configs.replay(f"{task_id}, world size {n}, drawn case {i}"))
+            for i in range(configs.budget(ci=1, long=8))]
+
+
+def two_groups(model, lr: float, lr_ratio: float) -> list[dict]:
+    """The usual recipe: decay on matrices, none on biases and vectors, which also get another lr."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [{"params": [p for _, p in trained if p.dim() >= 2], "weight_decay": 0.05},
+            {"params": [p for _, p in trained if p.dim() < 2], "weight_decay": 0.0, "lr": lr * lr_ratio}]
+
+
+def param_groups_case(task_id: str, case: dict) -> None:
+    """ShardedOptimizer over two param groups with their own lr and weight decay (a frozen,
+    a tied and an unused parameter in the model), an optimizer with state, a loss scaled
+    before backward, several steps, then a state_dict() round trip into a new optimizer that
+    takes one more step; against the torch optimizer on the global batch in one process."""
+    from labkit.zero import ShardedOptimizer
+    rank, n = dist.get_rank(), dist.get_world_size()
+    stage2 = task_id == "zero.stage2"
+    cls, options = GROUP_OPTIMIZERS[case["optimizer"]]
+    (x, y), ours_model, ref_model = toy_data(), make_toy(), make_toy()
+    ours = ShardedOptimizer(two_groups(ours_model, options["lr"], case["lr_ratio"]), cls,
+                            shard_gradients=stage2, **options)
+    ref = cls(two_groups(ref_model, options["lr"], case["lr_ratio"]), **options)
+    where = (f"{task_id}: rank {rank} of {n}, ToyModel, {case['optimizer']} {options} over two param groups "
+             f"(matrices weight_decay 0.05; vectors weight_decay 0 and lr x {case['lr_ratio']}), loss x "
+             f"{case['loss_scale']} {case['replay']}")
+
+    def train(step, model, opt, replica=None):
+        (toy_loss(model, *batch(x, y, step, rank, n)) * case["loss_scale"]).backward()
+        if not stage2:
+            average_gradients(model)
+        opt.step()
+        opt.zero_grad()
+        (toy_loss(ref_model, *batch(x, y, step)) * case["loss_scale"]).backward()
+        ref.step()
+        ref.zero_grad()
+        compare_params(model, dict(ref_model.named_parameters()), f"{where}, after step {step}")
+
+    for step in range(case["steps"]):
+        train(step, ours_model, ours)
+    saved = ours.state_dict()   # a collective: the whole state on every rank
+    resumed_model = make_toy()
+    resumed_model.load_state_dict(ours_model.state_dict())
+    resumed = ShardedOptimizer(two_groups(resumed_model, options["lr"], case["lr_ratio"]), cls,
+                               shard_gradients=stage2, **options)
+    resumed.load_state_dict(saved)
+    train(case["steps"], resumed_model, resumed)
+
+
 # ----------------------------------------------------------------------------- zero.stage1
 
 
@@ -283,10 +361,14 @@ def own_groups(partitions):
         yield (None, None) if index is None else (made[index], partition[index])
 
 
-def stage1_on_rank(partitions=None, models=tuple(MODELS)) -> None:
-    """The world with ``models``, then the ToyModel on each subgroup of ``PARTITIONS``; or,
-    given ``partitions``, the ToyModel on those only."""
+def stage1_on_rank(partitions=None, models=tuple(MODELS), drawn=()) -> None:
+    """The world with ``models``, then the ToyModel on each subgroup of ``PARTITIONS``, then
+    the param-group cases (``GROUP_CASES`` and ``drawn``); or, given ``partitions``, the
+    ToyModel on those only."""
     one_thread()
+    if not partitions:
+        for case in [*GROUP_CASES, *drawn]:
+            param_groups_case("zero.stage1", case)
     runs = [] if partitions else [(None, None, models)]
     for group, ranks in own_groups(partitions or PARTITIONS.get(dist.get_world_size(), [])):
         runs.append((group, ranks, ("ToyModel",)) if ranks else None)
@@ -368,7 +450,7 @@ def stage1_over(group, group_ranks, models) -> None:
 @task("zero.stage1", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_stage1(world_size):
-    run_graded("zero.stage1", stage1_on_rank, world_size)
+    run_graded("zero.stage1", stage1_on_rank, world_size, None, tuple(MODELS), draw_group_cases("zero.stage1", world_size))
 
 
 @task("zero.stage1", points=1)
@@ -409,9 +491,12 @@ def check_sharded_grads(model, expected: dict, phi: int, largest: int, what: str
                                  f"backward; expected {wanted} (its owner{'' if wanted else ': none reaches it'})")
 
 
-def stage2_on_rank() -> None:
-    """The world with every model, then the ToyModel on each subgroup of ``PARTITIONS``."""
+def stage2_on_rank(drawn=()) -> None:
+    """The param-group cases (``GROUP_CASES`` and ``drawn``), the world with every model, then
+    the ToyModel on each subgroup of ``PARTITIONS``."""
     one_thread()
+    for case in [*GROUP_CASES, *drawn]:
+        param_groups_case("zero.stage2", case)
     runs = [(None, list(range(dist.get_world_size())), MODELS)]
     for group, ranks in own_groups(PARTITIONS.get(dist.get_world_size(), [])):
         runs.append((group, ranks, {"ToyModel": MODELS["ToyModel"]}) if ranks else None)
@@ -471,7 +556,7 @@ def check_stage2_traffic(in_backward: CommTracer, in_step: CommTracer, ours, mod
 @task("zero.stage2", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_stage2(world_size):
-    run_graded("zero.stage2", stage2_on_rank, world_size)
+    run_graded("zero.stage2", stage2_on_rank, world_size, draw_group_cases("zero.stage2", world_size))
 
 
 # ----------------------------------------------------------------------------- a torch optimizer

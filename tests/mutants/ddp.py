@@ -120,4 +120,10 @@ Mutant("ddp.broadcast", "builtin_coalesced", "calls torch's _broadcast_coalesced
                    "                              0)\n"
                    "    return\n"
                    "    # BEGIN SOLUTION ddp.broadcast:"),
+    # issue 39: the caller's tensors
+    Mutant("ddp.broadcast", "rebinds_data",
+           "sets t.data to its slice of the received buffer: right values, but every tensor now lives in "
+           "the flat buffer (views held elsewhere, an optimizer's or a bucket's, go stale)",
+           find="                t.copy_(flat[offset:offset + t.numel()].view_as(t))",
+           replace="                t.data = flat[offset:offset + t.numel()].view_as(t)"),
 ]

@@ -72,4 +72,19 @@ MUTANTS = [
            "gives every owned parameter a gradient, also those no backward reached",
            find="            if id(p) in self.arrived:  # a parameter no backward reached keeps grad None",
            replace="            if True:"),
+    # issue 39: param groups, dtypes, repeated steps
+    Mutant("zero.stage1", "one_group_default_options",
+           "one local group over every owned parameter, with the constructor's options: the groups' lr and "
+           "weight decay are lost (the first owned parameter's group wins)",
+           find="        local_groups = [dict(g, params=[p for p in g[\"params\"] if id(p) in mine]) for g in groups]",
+           replace="        local_groups = [{\"params\": list(self.owned)}]"),
+    Mutant("zero.stage1", "group0_options", "every owned parameter in one group with group 0's options",
+           find="        local_groups = [dict(g, params=[p for p in g[\"params\"] if id(p) in mine]) for g in groups]",
+           replace="        local_groups = [dict(groups[0], params=list(self.owned))]"),
+    Mutant("zero.stage1", "gathers_in_float32", "flattens the shard to float32 for the all-gather: float64 params lose bits",
+           find="            mine = flatten(self.owned, width, like=self.params[0])",
+           replace="            mine = flatten(self.owned, width, like=self.params[0]).float()"),
+    Mutant("zero.stage2", "float32_flat_grads", "the flat gradient buffer in float32 whatever the parameters' dtype",
+           find="            self.flat_grads = torch.zeros(sum(self.shard_numels), dtype=param.dtype, device=param.device)",
+           replace="            self.flat_grads = torch.zeros(sum(self.shard_numels), dtype=torch.float32, device=param.device)"),
 ]

@@ -33,8 +33,12 @@ def _dp_step_vs_ddp(repeats: int) -> dict:
     medians = interleaved_medians({"ours": ours_step, "builtin": ddp_step}, lambda: batch, repeats)
     with CommTracer() as tracer:
         ours_step(batch)
-    grad_bytes = sum(p.numel() * p.element_size() for p in ours.parameters() if p.requires_grad)
-    return dict(medians, sent=tracer.sent_bytes(), grad_bytes=grad_bytes,
+    trained = [p for p in ours.parameters() if p.requires_grad]
+    grad_bytes = sum(p.numel() * p.element_size() for p in trained)
+    # average_gradients first all-reduces one float64 per parameter ("has a gradient here")
+    # plus the weight, so that ranks agree on which gradients to reduce: 8 (P + 1) bytes.
+    flag_bytes = 8 * (len(trained) + 1)
+    return dict(medians, sent=tracer.sent_bytes(), grad_bytes=grad_bytes, flag_bytes=flag_bytes,
                 all_reduces=tracer.count("all_reduce"))
 
 
@@ -42,6 +46,8 @@ def _dp_step_vs_ddp(repeats: int) -> dict:
 def dp_average_gradients_row(repeats: int = 15, world_size: int = 2) -> BenchRow:
     """average_gradients after backward (chapter 01) vs DDP"""
     r = launch(_dp_step_vs_ddp, world_size, repeats)[0]
-    formula = 2 * (world_size - 1) / world_size * r["grad_bytes"]
+    # The ring's 2 (N-1)/N of the gradients and of the small all-reduce of flags before them.
+    formula = 2 * (world_size - 1) / world_size * (r["grad_bytes"] + r["flag_bytes"])
     return BenchRow(f"GPT step, average_gradients vs DDP, {r['grad_bytes'] / 2**20:.2f} MB grads, {world_size} ranks",
-                    r["ours"], r["builtin"], r["sent"], formula, extra=dict(all_reduces=r["all_reduces"]))
+                    r["ours"], r["builtin"], r["sent"], formula,
+                    extra=dict(all_reduces=r["all_reduces"], flag_bytes=r["flag_bytes"]))

@@ -27,7 +27,9 @@ def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
     sent = {name: tracer.sent_bytes() for name, tracer in tracers.items()}
     kinds = {name: sorted(tracer.kinds()) for name, tracer in tracers.items()}
     phi = sum(p.numel() * p.element_size() for p in models["builtin"].parameters() if p.requires_grad)
-    return dict(medians, sent=sent, kinds=kinds, phi=phi,
+    ours = optims["ours"]
+    largest_shard = max(ours.shard_numels) * ours.params[0].element_size()
+    return dict(medians, sent=sent, kinds=kinds, phi=phi, largest_shard=largest_shard,
                 state_bytes=sum(t.numel() * t.element_size() for s in optims["ours"].state.values()
                                 for t in s.values() if isinstance(t, torch.Tensor)))
 
@@ -35,13 +37,15 @@ def _zero_vs_builtin(repeats: int, batch: int, shard_gradients: bool) -> dict:
 def _zero_row(stage: int, repeats: int, world_size: int, batch: int) -> BenchRow:
     r = launch(_zero_vs_builtin, world_size, repeats, batch, stage == 2, timeout=600)[0]
     share = (world_size - 1) / world_size * r["phi"]
-    # Stage 1 under DDP: all-reduce the gradients (2 shares), all-gather the parameters (1).
-    # Stage 2: reduce-scatter the gradients (1 share), all-gather the parameters (1).
-    formula = (3 if stage == 1 else 2) * share
+    # Gradients: stage 1 under DDP all-reduces them (2 shares), stage 2 reduce-scatters them in
+    # uneven pieces, each rank's shard exactly (1 share). Parameters: one all-gather of the
+    # shards padded to the largest, (N-1) x the largest shard: whole parameters do not split
+    # Φ evenly, and the padding is the difference (here 512 B at 2 ranks).
+    formula = (2 if stage == 1 else 1) * share + (world_size - 1) * r["largest_shard"]
     torch_side = "ZeroRedundancyOptimizer" if stage == 1 else "DDP+ZeroRedundancyOptimizer"
     return BenchRow(f"GPT step, ZeRO-{stage} ours vs {torch_side}, {world_size} ranks",
                     r["ours"], r["builtin"], r["sent"]["ours"], formula,
-                    extra={"phi_bytes": r["phi"], "torch_sent": r["sent"]["builtin"], "ops": r["kinds"],
+                    extra={"phi_bytes": r["phi"], "largest_shard_bytes": r["largest_shard"], "torch_sent": r["sent"]["builtin"], "ops": r["kinds"],
                            "optimizer_state_bytes_rank0": r["state_bytes"]})
 
 

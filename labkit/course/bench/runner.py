@@ -151,6 +151,8 @@ EXTRA_MEANINGS = {
     "all_reduces_per_step": "all-reduce calls per step, ours and torch's (one per bucket)",
     "grad_mb": "gradient megabytes per step",
     "phi_bytes": "bytes of the parameters (Phi)",
+    "flag_bytes": "bytes of average_gradients' first all-reduce: one float64 per parameter + the weight",
+    "largest_shard_bytes": "bytes of the largest shard: the all-gather pads every shard to it",
     "torch_sent": "bytes one rank of the built-in sent, traced",
     "ops": "the collectives one step issued",
     "optimizer_state_bytes_rank0": "optimizer-state bytes rank 0 holds",
