@@ -48,7 +48,7 @@ Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 RECOMPUTE = ("none", "selective", "full")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -357,7 +357,12 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
         ring  all_reduce      2(N-1) (alpha + S/(N B))        reduce-scatter, then all-gather
               all_gather, reduce_scatter, all_to_all
                               (N-1) (alpha + S/(N B))          all_to_all: pairwise exchange
-        tree  all_reduce      2 ceil(log2 N) (alpha + S/B)     binomial reduce, then broadcast
+        tree  all_reduce      2 ceil(log2 N) alpha + 2 S/B     NCCL's pipelined double binary tree:
+                                                               latency of a reduce up and a broadcast
+                                                               down the tree, the buffer cut into small
+                                                               chunks that stream (each rank sends and
+                                                               receives S up and S down; Sanders et al.
+                                                               2009, NCCL 2.4's trees)
               all_gather, reduce_scatter
                               ceil(log2 N) alpha + (N-1)/N S/B recursive doubling / halving
                                                                (Thakur et al. 2005)
@@ -371,7 +376,7 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
         raise ValueError("all_to_all: this model has only the pairwise exchange (algo='ring')")
     if ranks < 1 or nbytes < 0:
         raise ValueError(f"{op}: need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
-    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; tree: ceil(log2 N) rounds (all-reduce 2x, S per round; AG/RS: (N-1)/N S in all)
+    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; tree: ceil(log2 N) rounds of alpha (all-reduce 2x, pipelined: 2 S/B in all; AG/RS: (N-1)/N S in all)
     if ranks == 1:
         return 0.0
     alpha, bandwidth = link.alpha, link.bandwidth
@@ -382,7 +387,7 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
         return steps * (alpha + nbytes / ranks / bandwidth)
     rounds = math.ceil(math.log2(ranks))
     if op == "all_reduce":
-        return 2 * rounds * (alpha + nbytes / bandwidth)
+        return 2 * rounds * alpha + 2 * nbytes / bandwidth
     return rounds * alpha + (ranks - 1) / ranks * nbytes / bandwidth
     # END SOLUTION
 
@@ -392,16 +397,20 @@ def group_link(group_size: int, stride: int, cluster: Cluster) -> Link:
     the global order (TP stride 1, then CP, PP, DP: chapter 08's grid), runs at. Such groups
     tile blocks of stride x group_size consecutive ranks: when that block divides a node the
     group is inside one node (NVLink); otherwise some group spans nodes and its ring is as slow
-    as its network hop. With rails every GPU drives its own NIC; without, the node's GPUs that
-    cross the network at once share its one NIC: min(stride, gpus_per_node) of them (one
-    boundary hop per group, stride groups interleaved in a node)."""
+    as its network hop. With rails every GPU drives its own NIC, and NCCL runs one ring channel
+    per NIC: a group with k = min(group_size, gpus_per_node // stride) members in a node (at
+    least 1) crosses between nodes on k NICs at once, so its hop runs at min(k x NIC, NVLink)
+    (FSDP over consecutive ranks: all 8 NICs; a DP group 8 or more apart: one). Without rails
+    the node's GPUs that cross the network at once share its one NIC: min(stride,
+    gpus_per_node) of them (one boundary hop per group, stride groups interleaved in a node)."""
     if group_size < 1 or stride < 1:
         raise ValueError(f"group_size and stride must be >= 1, got {group_size}, {stride}")
-    # BEGIN SOLUTION perf.comm: inside a node iff gpus_per_node % (stride x group_size) == 0 -> nvlink; else network, bandwidth / min(stride, gpus_per_node) without rails
+    # BEGIN SOLUTION perf.comm: inside a node iff gpus_per_node % (stride x group_size) == 0 -> nvlink; rails: network x k NICs (k members in a node), at most NVLink; else bandwidth / min(stride, gpus_per_node)
     if cluster.gpus_per_node % (stride * group_size) == 0:
         return cluster.nvlink
     if cluster.rails:
-        return cluster.network
+        nics = max(1, min(group_size, cluster.gpus_per_node // stride))
+        return Link(cluster.network.alpha, min(nics * cluster.network.bandwidth, cluster.nvlink.bandwidth))
     sharers = min(stride, cluster.gpus_per_node)
     return Link(cluster.network.alpha, cluster.network.bandwidth / sharers)
     # END SOLUTION
@@ -458,6 +467,7 @@ from labkit import budget  # noqa: E402  (the memory formulas of chapters 08 and
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _ELEMENT = 2                                 # bytes of a 16-bit activation, gradient or parameter
+ELEMENTWISE_PASSES = 3                       # forward write, backward read + gradient write (elementwise_bytes)
 
 
 @dataclass(frozen=True)
@@ -479,6 +489,7 @@ class Layout:
     virtual: int = 1               # interleaved: model chunks (virtual stages) per rank
     recompute: str = "none"        # "none" | "selective" | "full"
     uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
+    flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
 
     @property
     def gpus(self) -> int:
@@ -488,7 +499,7 @@ class Layout:
         """A total order on layouts (the search breaks ties of time and memory with it)."""
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
-                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven)
+                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -496,10 +507,11 @@ class Layout:
         text += f" zero{self.zero} mb{self.microbatch} {self.schedule}"
         text += f"(v={self.virtual})" if self.virtual > 1 else ""
         text += " uneven" if self.uneven else ""
+        text += " flash" if self.flash else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
-_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_exposed")
+_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_exposed")
 
 
 @dataclass
@@ -524,6 +536,7 @@ class StepTime:
     layout: Layout | None = None
     microbatches: int = 0                          # m, per data-parallel replica and step
     memory_parts: dict | None = None
+    elementwise: float = 0.0                       # memory-bound work at HBM bandwidth (the roofline)
 
     def explain(self) -> str:
         """The terms, one a line, with their share of the step, then memory, throughput, MFU."""
@@ -637,8 +650,7 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     (labkit.budget.model_state_bytes, 16-bit weights, fp32 moments and master copy) sharded by
     the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
     labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
-    L / pp layers x ``in_flight`` micro-batches ("selective" drops the scores, as flash
-    attention does; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
+    L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
     fp32 logits, 4 (s / cp) b V / tp. Returns {"params", "grads", "optimizer", "activations",
     "total"}."""
     # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
@@ -651,7 +663,7 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     held = in_flight(layout.schedule, layout.pp, m, layout.virtual, rank)
     activations = budget.korthikanti_activation_bytes(
         layers_on_rank(model, layout, rank)[0], model.seq, model.hidden, model.heads, micro=layout.microbatch,
-        tp=layout.tp, cp=layout.cp, held=held, flash=layout.recompute == "selective",
+        tp=layout.tp, cp=layout.cp, held=held, flash=layout.flash or layout.recompute == "selective",
         full=layout.recompute == "full")
     if rank == layout.pp - 1:
         activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
@@ -660,11 +672,31 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     # END SOLUTION
 
 
+def elementwise_bytes(model: Model, layout: Layout, layers: int) -> float:
+    """HBM bytes of one micro-batch's memory-bound work (LayerNorm, GeLU/SwiGLU, dropout,
+    residual adds, and without ``flash`` the softmax and dropout over the s x s scores) on
+    ``layers`` layers of one GPU, priced by the roofline at HBM bandwidth, not in the FLOP
+    efficiency. The course's estimate: ELEMENTWISE_PASSES passes over the bytes a layer keeps
+    for backward (Korthikanti et al. 2022: labkit.budget.korthikanti_layer_bytes with the
+    rank's s / cp queries, its micro-batch, split over tp by sequence parallelism, scores
+    unless flash): forward writes them, backward reads them and writes their gradients (3);
+    full recomputation writes them once more (4)."""
+    # BEGIN SOLUTION perf.step: passes (3; 4 with full recompute) x layers x korthikanti_layer_bytes(s, h, a, b, tp, cp, flash)
+    passes = ELEMENTWISE_PASSES + (layout.recompute == "full")
+    return passes * layers * budget.korthikanti_layer_bytes(model.seq, model.hidden, model.heads, layout.microbatch,
+                                                            layout.tp, layout.cp, flash=layout.flash)
+    # END SOLUTION
+
+
 def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
-              gpus: int | None = None) -> StepTime:
+              gpus: int | None = None, stack: "Stack | None" = None) -> StepTime:
     """One training step of ``global_batch`` sequences of ``model`` in ``layout`` on ``cluster``
     (the terms of the table above). ``gpus``: also check that the layout uses exactly that many.
-    Raises ValueError for a layout that cannot run the model or the batch."""
+    ``stack``: a calibrated software stack (``calibrate``); its achieved FLOP/s and bandwidth
+    replace the cluster GPU's (``stack.on(cluster)``). Raises ValueError for a layout that
+    cannot run the model or the batch."""
+    if stack is not None:
+        cluster = stack.on(cluster)
     # BEGIN SOLUTION perf.step: per micro-batch compute + recompute + TP/CP/EP/PP comm; bubble (p-1)/v of it; DP comm exposed beyond the compute it hides behind; memory = the fullest pipeline rank
     m = _check_layout(model, layout, global_batch, gpus)
     dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual
@@ -674,7 +706,11 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     tokens = layout.microbatch * model.seq                       # per micro-batch and replica
     share = tokens / (tp * cp) * layers / model.layers           # of them, per GPU of the fullest rank (1/pp)
     compute_mb = flops_per_token(model, "none") * share / achieved
-    recompute_mb = (flops_per_token(model, layout.recompute) - flops_per_token(model, "none")) * share / achieved
+    extra = flops_per_token(model, layout.recompute) - flops_per_token(model, "none")
+    if layout.flash and layout.recompute != "selective":     # the fused kernel's backward recomputes the scores
+        extra += flops_per_token(model, "selective") - flops_per_token(model, "none")
+    recompute_mb = extra * share / achieved
+    elementwise_mb = elementwise_bytes(model, layout, layers) / (gpu.achieved_bandwidth or gpu.memory_bandwidth)
     full = layout.recompute == "full"
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
     # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
@@ -686,7 +722,7 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     routed = model.seq / cp * layout.microbatch / tp * model.top_k * model.hidden * _ELEMENT
     ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
     pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
-    stage_mb = compute_mb + recompute_mb + tp_mb + cp_mb + ep_mb + pp_mb
+    stage_mb = compute_mb + recompute_mb + elementwise_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * stage_mb
 
     # data parallelism: the rank with the most parameters, dense over dp x cp, experts over dp x cp / ep
@@ -715,7 +751,8 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
                     dp_exposed=dp_exposed, total=total, memory=memory["total"],
                     fits=memory["total"] <= gpu.memory_bytes, tokens_per_second=per_second,
                     mfu=mfu(per_second, model, layout.gpus, gpu.peak_flops), layout=layout, microbatches=m,
-                    memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")})
+                    memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")},
+                    elementwise=m * elementwise_mb)
     # END SOLUTION
 
 
@@ -726,7 +763,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
-                      max_ep: int | None = None, uneven: bool = False):
+                      max_ep: int | None = None, uneven: bool = False, flash=(False,)):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -735,6 +772,7 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
+    ``flash``: the attention kernels tried (innermost loop; default plain attention only).
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -761,9 +799,10 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                                           and (uneven or model.layers % (pp * v) == 0))]
                             for schedule, v in plans:
                                 for r in recompute:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
-                                                 schedule=schedule, virtual=v, recompute=r,
-                                                 uneven=model.layers % (pp * v) != 0)
+                                    for fused in flash:
+                                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
+                                                     schedule=schedule, virtual=v, recompute=r,
+                                                     uneven=model.layers % (pp * v) != 0, flash=fused)
     # END SOLUTION
 
 
@@ -783,3 +822,71 @@ def search_layouts(model: Model, cluster: Cluster, gpus: int, global_batch: int,
     found.sort(key=lambda item: item[0])
     return [(layout, result) for _, layout, result in found[:top]]
     # END SOLUTION
+
+
+# ============================================================ software stacks and their calibration
+#
+# A GPU's datasheet peak is not what a training run gets: the achieved fraction belongs to the
+# SOFTWARE STACK (its kernels, fusions, overlap, clocks under its power cap) on one GPU
+# generation, not to the GPU. A Stack holds that fraction; ``calibrate`` fits it from ONE run
+# (a published row, or a step you timed yourself) by solving step_time(...) = the measured step
+# for the matmul efficiency; the stack then predicts the other runs of the same stack
+# (``step_time(..., stack=stack)`` or ``stack.on(cluster)``). Element-wise work is not in the
+# fraction: step_time prices it at HBM bandwidth (``elementwise_bytes``).
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One software stack on one GPU: ``matmul`` is the achieved fraction of the GPU's dense
+    peak FLOP/s in its matmuls (and attention), ``memory`` the achieved fraction of its HBM
+    bandwidth for element-wise work (1.0: the datasheet's; the calibration fits ``matmul``
+    only), ``source`` what it was calibrated on. ``saturated``: the fit hit 100 % of the peak
+    and still did not reach the measured speed (the model's other terms are too large)."""
+    name: str
+    gpu: Hardware
+    matmul: float
+    memory: float = 1.0
+    source: str = ""
+    saturated: bool = False
+
+    def hardware(self) -> Hardware:
+        """The GPU with this stack's achieved FLOP/s and bandwidth."""
+        return replace(self.gpu, achieved_flops=self.matmul * self.gpu.peak_flops,
+                       achieved_bandwidth=self.memory * self.gpu.memory_bandwidth)
+
+    def on(self, cluster: Cluster) -> Cluster:
+        """``cluster`` with its GPU running this stack."""
+        return replace(cluster, gpu=self.hardware())
+
+
+def calibrate(model: Model, layout: Layout, cluster: Cluster, global_batch: int, *,
+              tokens_per_second: float | None = None, step_seconds: float | None = None,
+              name: str = "", source: str = "", memory: float = 1.0) -> Stack:
+    """The Stack that makes ``step_time(model, layout, cluster, global_batch)`` take the measured
+    step: give ``step_seconds`` or ``tokens_per_second`` (the whole job's: global_batch x seq /
+    step). Solves for the matmul efficiency by bisection in (0, 1] (the step time falls as the
+    efficiency rises); ``memory``: the fraction of HBM bandwidth, held fixed. A run the model
+    cannot reach even at the peak gives matmul = 1 and saturated = True."""
+    if (tokens_per_second is None) == (step_seconds is None):
+        raise ValueError("calibrate: give exactly one of tokens_per_second and step_seconds")
+    target = step_seconds if step_seconds is not None else global_batch * model.seq / tokens_per_second
+    if not target > 0:
+        raise ValueError(f"calibrate: the measured step must be positive, got {target!r} s")
+
+    def stack(fraction: float) -> Stack:
+        return Stack(name or f"calibrated on {model.name or 'a run'}", cluster.gpu, fraction, memory,
+                     source or f"{model.name} {layout} on {cluster.name or cluster.gpu.name}: {target:.4g} s/step")
+
+    def seconds(fraction: float) -> float:
+        return step_time(model, layout, cluster, global_batch, stack=stack(fraction)).total
+
+    if seconds(1.0) > target:
+        return replace(stack(1.0), saturated=True)
+    lo, hi = 1e-4, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if seconds(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return stack((lo + hi) / 2)

@@ -39,6 +39,7 @@ KINDS = {
     "tflops_model": "TFLOP/s per GPU, model FLOPs (no recomputation counted)",
     "mfu": "model FLOPs utilization (PaLM, Chowdhery et al. 2022, App. B)",
     "gpu_hours_per_T": "GPU-hours per trillion training tokens",
+    "tokens_per_gpu": "tokens per GPU-second (no FLOP convention needed)",
 }
 
 
@@ -129,6 +130,7 @@ class PublishedRun:
     pipeline_layers: int | None = None   # layers the step model runs when the paper's stages are uneven
     stated_params: str = ""        # the parameter count as the paper writes it ("1.7B", "176,247M")
     rounding: float = 0.015        # relative rounding of the stated figures (consistency's tolerance)
+    stack: str = ""                # the software stack (a key of STACKS): the efficiency belongs to it
 
     @property
     def params_stated(self) -> tuple[float, float]:
@@ -181,6 +183,8 @@ def published_tokens_per_gpu(run: PublishedRun, kind: str | None = None, value: 
         return value * peak / perf.model_flops_per_token(run.model)
     if kind == "gpu_hours_per_T":
         return 1e12 / (value * 3600)
+    if kind == "tokens_per_gpu":
+        return value
     if kind == "step_s":
         return run.tokens_per_step / value / run.gpus
     raise ValueError(f"unknown figure kind {kind!r}; one of {sorted(KINDS)} or 'step_s'")
@@ -191,6 +195,8 @@ def figure_of(run: PublishedRun, tokens_per_gpu: float, kind: str | None = None)
     kind = kind or run.kind
     if kind == "gpu_hours_per_T":
         return 1e12 / (tokens_per_gpu * 3600)
+    if kind == "tokens_per_gpu":
+        return tokens_per_gpu
     if kind == "step_s":
         return run.tokens_per_step / (tokens_per_gpu * run.gpus)
     return tokens_per_gpu / published_tokens_per_gpu(run, kind, 1.0)  # the other kinds are linear
@@ -273,8 +279,8 @@ def _megatron_h100():
                 "communication, H100: that README's text (git show f2e5db402c:README.md)")
     recalled = ""
     notes = ("micro-batch 1, 1F1B, distributed optimizer (zero=1) assumed (the README does not say); flash "
-             "attention (Megatron-Core's default through Transformer Engine) as perf's recompute='selective': "
-             "no s x s scores stored, attention's forward recomputed in backward; FFN 4h non-gated and untied output layer assumed (GPT; the stated sizes match "
+             "attention (Megatron-Core's default through Transformer Engine) as Layout(flash=True): "
+             "no s x s scores in HBM, the kernel's backward recomputes them; FFN 4h non-gated and untied output layer assumed (GPT; the stated sizes match "
              "perf.Model.params() with them)")
     rows = [  # size, heads, hidden, layers, tp, pp, dp, gpus, batch, TFLOP/s, MFU %, PFLOP/s
         ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8, 41, 19.6),
@@ -290,7 +296,7 @@ def _megatron_h100():
     runs = []
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu, pflops in rows:
         model = _gpt(f"GPT {size}", layers, hidden, heads, 131072, 4096)
-        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1, recompute="selective")
+        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1, flash=True)
         runs.append(PublishedRun(
             name=f"Megatron-Core GPT-{size}, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=tflops, kind="tflops_model", cluster=dgx_h100(),
@@ -312,7 +318,7 @@ def _llama3():
                 "(ssawant.github.io's summary of Sec. 3.3.2)")
     notes = ("FSDP that does not reshard after forward (Sec. 3.3.2): with pipeline micro-batches that is one "
              "parameter all-gather and one gradient reduce-scatter per step, perf's zero=2 (zero=3 would "
-             "regather every micro-batch); flash attention as recompute='selective'; micro-batch 1 and the "
+             "regather every micro-batch); flash attention as Layout(flash=True); micro-batch 1 and the "
              "interleaved schedule with v=2 assumed; 126 layers over pp=16 (the paper drops a layer "
              "from the first and the last stage); the attention FLOP convention of their TFLOP/s is not "
              "stated: we use perf.model_flops_per_token (non-causal 12 l h s)")
@@ -323,7 +329,7 @@ def _llama3():
     runs = []
     for model, gpus, dp, cp, per_dp, tflops, mfu in rows:
         layout = perf.Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, microbatch=1, schedule="interleaved", virtual=2,
-                             recompute="selective")
+                             flash=True)
         runs.append(PublishedRun(
             name=f"Llama 3 405B, {gpus} H100, seq {model.seq}", citation=cite, model=model, gpu="H100",
             gpus=gpus, layout=layout, global_batch=dp * per_dp, figure=tflops, kind="tflops_model",
@@ -389,12 +395,12 @@ def _nemotron():
                 "dp 16/32/64 and MFU 41.0% of the last row; hidden 18432, 96 heads, FFN 73728 (squared "
                 "ReLU, not gated), vocab 256,000")
     notes = ("distributed optimizer (zero=1), interleaved schedule with v=2, micro-batch 1 and flash attention "
-             "(recompute='selective') assumed")
+             "(Layout(flash=True)) assumed")
     model = _gpt("Nemotron-4 340B", 96, 18432, 96, 256000, 4096, kv_heads=8, ffn=73728)
     runs = []
     for gpus, batch, step, mfu in ((1536, 768, 10.3, 0.424), (3072, 1536, 10.3, 0.423), (6144, 2304, 8.0, 0.410)):
         layout = perf.Layout(dp=gpus // 96, tp=8, pp=12, zero=1, microbatch=1, schedule="interleaved", virtual=2,
-                             recompute="selective")
+                             flash=True)
         runs.append(PublishedRun(
             name=f"Nemotron-4 340B, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=step, kind="step_s", cluster=dgx_h100(),
@@ -416,15 +422,129 @@ def _deepseek_v3():
              "all-to-all; the multi-token-prediction module is left out")
     model = _gpt("DeepSeek-V3", 61, 7168, 128, 129280, 4096, ffn=18432, gated=True, experts=256, top_k=8,
                  shared_experts=1, expert_ffn=2048, dense_layers=3)
-    layout = perf.Layout(dp=128, pp=16, ep=64, zero=1, microbatch=1, schedule="1f1b", recompute="selective")
+    layout = perf.Layout(dp=128, pp=16, ep=64, zero=1, microbatch=1, schedule="1f1b", flash=True)
     return [PublishedRun(
         name="DeepSeek-V3, 2048 H800", citation=cite, model=model, gpu="H800" if "H800" in perf.HARDWARE else "H100",
         gpus=2048, layout=layout, global_batch=15360, figure=180e3, kind="gpu_hours_per_T", cluster=h800_cluster(),
         verified=verified, recalled=recalled, notes=notes, stated_params="671B", pipeline_layers=64)]
 
 
+def mosaic_h100() -> "perf.Cluster":
+    # llm-foundry's benchmark README states no H100 interconnect: 8 x 400G per node (DGX H100) assumed.
+    return cluster("H100", 450, 400, name="MosaicML H100 80GB (8x 400G assumed)")
+
+
+def mosaic_a100() -> "perf.Cluster":
+    # llm-foundry's benchmark README: 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)' = 8 x 200G.
+    return cluster("A100", 300, 200, name="MosaicML A100 80GB (1600 Gbps RoCE per node)")
+
+
+def titan_h100() -> "perf.Cluster":
+    # torchtitan's benchmark: Grand Teton, 8 H100 per host on NVLink, 400 Gb/s RDMA per GPU; 96 GB HBM2e at
+    # 2.4 TB/s, 500 W power limit ('the actual peak TFLOPs number is between SXM and NVL, and we don't know its
+    # exact value': the SXM peak is kept, the stack's efficiency absorbs the cap).
+    base = meta_roce()
+    gpu = replace(base.gpu, name="H100 96GB HBM2e (500 W)", memory_bandwidth=2.4e12, memory_bytes=96e9)
+    return replace(base, gpu=gpu, name="Grand Teton H100 96GB, 500 W, 400G per GPU")
+
+
+_MPT_SHAPES = {  # name: (layers, hidden, heads); vocab 50,368, tied, FFN 4h, ALiBi (no position matrix counted)
+    "1b": (24, 2048, 16), "3b": (32, 2560, 20), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
+    "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
+
+
+def _mpt():
+    """MosaicML llm-foundry's MPT training benchmarks (Composer, PyTorch FSDP FULL_SHARD, flash attention)."""
+    cite = ("MosaicML llm-foundry, scripts/train/benchmarking/README.md, 'MPT Training Benchmarks' tables "
+            "'H100 80GB BF16' and 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)' "
+            "(mosaicml/llm-foundry commit 061f2c7)")
+    verified = ("GPUs, sequence length, micro-batch size, gradient accumulation, global batch, throughput "
+                "(tokens/s/GPU), MFU, activation checkpointing, FULL_SHARD and NumParams: read from that README's "
+                "tables; MFU's convention (6 N + 12 L h s per token, attention included) from its 'MFU' section. "
+                "Layers and widths: 12 L h^2 + V h + s h reproduces each NumParams to 0.1 %")
+    recalled = ("layers/hidden/heads of each size (llm-foundry's mpt-*.yaml, from memory; the head count only "
+                "matters for TP, unused here); vocab 50,368; the H100 cluster's network (not stated)")
+    notes = ("pure FSDP (zero=3) over all GPUs, one micro-batch per gradient-accumulation step; flash attention "
+             "(the README: 'our models use Flash Attention'); activation checkpointing = full recomputation "
+             "(HFU / MFU = 4/3 in the tables); the 70B rows on A100 ran 'bf16 PURE' (not amp_bf16)")
+    h100 = [("1b", 64, 20, 1, 44402, 40.85, False), ("3b", 64, 6, 3, 22525, 40.8, False),
+            ("7b", 8, 6, 1, 10643, 46.44, False), ("13b", 64, 2, 1, 4800, 39.86, False),
+            ("30b", 32, 14, 3, 2308, 43.92, True), ("70b", 64, 8, 4, 1039, 42.57, True)]
+    a100 = [("1b", 8, 14, 4, 20513, 59.86, False), ("3b", 8, 10, 2, 10811, 62.11, False),
+            ("7b", 8, 6, 2, 4641, 64.23, False), ("13b", 8, 2, 3, 2262, 59.57, False),
+            ("30b", 8, 3, 21, 916, 55.3, True), ("70b", 32, 2, 16, 373, 48.56, True),
+            ("70b", 64, 8, 4, 410, 53.33, True)]
+    out = []
+    for gpu, rows, make, stack in (("H100", h100, mosaic_h100, "llm-foundry H100"),
+                                   ("A100", a100, mosaic_a100, "llm-foundry A100")):
+        for size, gpus, micro, accum, tokens, mfu, checkpoint in rows:
+            layers, hidden, heads = _MPT_SHAPES[size]
+            model = _gpt(f"MPT-{size}", layers, hidden, heads, 50368, 2048, tied=True)
+            layout = perf.Layout(dp=gpus, zero=3, microbatch=micro, flash=True,
+                                 recompute="full" if checkpoint else "none")
+            out.append(PublishedRun(
+                name=f"MPT-{size}, {gpus} {gpu}", citation=cite, model=model, gpu=gpu, gpus=gpus, layout=layout,
+                global_batch=gpus * micro * accum, figure=tokens, kind="tokens_per_gpu", cluster=make(),
+                verified=verified, recalled=recalled, notes=notes,
+                stated_params={"1b": "1.3B", "3b": "2.65B", "7b": "6.66B", "13b": "12.85B", "30b": "29.98B",
+                               "70b": "64.86B"}[size],
+                also={"mfu": mfu / 100}, stack=stack, rounding=0.005))
+    return out
+
+
+def _torchtitan():
+    cite = ("torchtitan team, benchmarks/llama3_h100_202412_torchtitan.md (pytorch/torchtitan commit 31a17bf, "
+            "December 2024), Tables 1 and 3")
+    verified = ("Llama 3.1 8B, FSDP on 8 and 128 GPUs, local batch 2, global batch 16 / 256, selective activation "
+                "checkpointing, TPS/GPU 5,762 / 5,605 (eager) and 6,667 / 6,514 (torch.compile); Grand Teton H100 "
+                "96GB HBM2e 2.4 TB/s, 500 W, 400 Gb/s per GPU; '33% to 39% MFU' on 8 or 128 GPUs: that file")
+    recalled = ("sequence length 8192 (torchtitan's llama3 8B default; the stated 33-39 % MFU needs it: 5,762 x "
+                "perf.model_flops_per_token / 989 TFLOP/s = 33.7 %); the 8B shape (32 layers, 4096, 32 heads, 8 KV "
+                "heads, FFN 14,336, vocab 128,256)")
+    notes = ("FSDP2 (zero=3), one micro-batch of 2; flash attention (SDPA); torchtitan's 'selective' AC "
+             "('op' mode) recomputes more than attention: modelled as recompute='selective' and left to the "
+             "stack's efficiency, as is the 500 W cap")
+    model = _gpt("Llama 3.1 8B", 32, 4096, 32, 128256, 8192, kv_heads=8, ffn=14336, gated=True)
+    out = []
+    for stack, rows in (("torchtitan eager H100-500W", ((8, 5762), (128, 5605))),
+                        ("torchtitan compile H100-500W", ((8, 6667), (128, 6514)))):
+        for gpus, tokens in rows:
+            layout = perf.Layout(dp=gpus, zero=3, microbatch=2, recompute="selective", flash=True)
+            out.append(PublishedRun(
+                name=f"torchtitan Llama 3.1 8B{' compiled' if 'compile' in stack else ''}, {gpus} H100",
+                citation=cite, model=model, gpu="H100", gpus=gpus, layout=layout, global_batch=2 * gpus,
+                figure=tokens, kind="tokens_per_gpu", cluster=titan_h100(), verified=verified, recalled=recalled,
+                notes=notes, stated_params="8.0B", stack=stack))
+    return out
+
+
+# The software stacks: {name: what it is}. The efficiency a run achieves belongs to its stack on
+# its GPU generation; leave_one_out calibrates each stack on one of its runs and predicts the rest.
+STACKS: dict[str, str] = {
+    "Megatron-LM 2021 A100": "Megatron-LM (2021): TP + PP, 1F1B, full recomputation, no flash attention, fp16/bf16",
+    "Megatron-DeepSpeed A100": "Megatron-DeepSpeed (2021-22): Megatron TP/PP + DeepSpeed ZeRO-1, full recomputation",
+    "Megatron-Core H100": "Megatron-Core with Transformer Engine (2024): flash attention, distributed optimizer, "
+                          "overlapped DP/TP/PP communication",
+    "Llama 3 H100": "Meta's Llama 3 stack (2024): FSDP-style ZeRO + TP/CP/PP, interleaved 1F1B, RoCE",
+    "NeMo H100": "NVIDIA NeMo / Megatron-Core (2024) as used for Nemotron-4 340B",
+    "llm-foundry H100": "MosaicML llm-foundry / Composer, PyTorch FSDP FULL_SHARD, flash attention, amp_bf16",
+    "llm-foundry A100": "MosaicML llm-foundry / Composer, PyTorch FSDP FULL_SHARD, flash attention",
+    "torchtitan eager H100-500W": "torchtitan (Dec. 2024), FSDP2, eager mode, H100 capped at 500 W",
+    "torchtitan compile H100-500W": "torchtitan (Dec. 2024), FSDP2, torch.compile, H100 capped at 500 W",
+    "DeepSeek H800": "DeepSeek-V3's stack: FP8 GEMMs, DualPipe, custom all-to-all kernels",
+}
+_STACK_OF = {"Megatron GPT-": "Megatron-LM 2021 A100", "MT-NLG": "Megatron-DeepSpeed A100",
+             "BLOOM": "Megatron-DeepSpeed A100", "Megatron-Core": "Megatron-Core H100", "Llama 3 405B": "Llama 3 H100",
+             "Nemotron": "NeMo H100", "DeepSeek": "DeepSeek H800"}
+
+
 def _build() -> list[PublishedRun]:
-    return _megatron_a100() + _mtnlg() + _bloom() + _megatron_h100() + _llama3() + _nemotron() + _deepseek_v3()
+    out = []
+    for r in (_megatron_a100() + _mtnlg() + _bloom() + _megatron_h100() + _llama3() + _nemotron() + _deepseek_v3()
+              + _mpt() + _torchtitan()):
+        stack = r.stack or next(v for k, v in _STACK_OF.items() if r.name.startswith(k))
+        out.append(replace(r, stack=stack))
+    return out
 
 
 # Why the model misses a run by more than TOLERANCE: {run name: (mechanism, reason)}. The
@@ -818,3 +938,79 @@ def explain_rank(run: PublishedRun, efficiency: float, rank, ranked) -> str:
         ep_share=f"{100 * pub.ep_comm / pub.total:.0f}%", memory=f"{pub.memory / 1e9:.0f} GB",
         best_memory=f"{best.memory / 1e9:.0f} GB" if best else "-",
         gain=f"{100 * (pub.total / best.total - 1):.0f}%" if best else "-")
+
+
+# ---------------------------------------------------------------- software stacks: calibrate on one run, predict the others
+
+def calibrate_on(run: PublishedRun) -> "perf.Stack":
+    """perf.calibrate on the run's published throughput: the run's stack, fitted on this run only."""
+    return perf.calibrate(run.step_model, run.layout, run.cluster, run.global_batch,
+                          tokens_per_second=published_tokens_per_gpu(run) * run.gpus, name=run.stack,
+                          source=f"{run.name} ({_fmt(run.kind, run.figure)}; {run.citation})")
+
+
+@dataclass
+class HeldOut:
+    """One held-out prediction: ``target`` predicted with its stack calibrated on ``calibration``."""
+    calibration: PublishedRun
+    target: PublishedRun
+    stack: "perf.Stack"
+    prediction: Prediction
+
+    @property
+    def error(self) -> float:
+        return self.prediction.throughput_error
+
+    @property
+    def within(self) -> bool:
+        return self.prediction.within
+
+
+def predict_with(run: PublishedRun, stack: "perf.Stack") -> Prediction:
+    """perf.step_time's prediction of ``run`` with a calibrated stack (perf.step_time(..., stack=))."""
+    st = perf.step_time(run.step_model, run.layout, run.cluster, run.global_batch, stack=stack)
+    tokens = run.tokens_per_step / st.total / run.gpus
+    return Prediction(run, stack.matmul, st, tokens, figure_of(run, tokens), run.figure)
+
+
+def stacks_of(runs_: list[PublishedRun] | None = None) -> dict[str, list[PublishedRun]]:
+    """{stack: its runs}, in the order the runs are listed."""
+    out: dict[str, list[PublishedRun]] = {}
+    for r in (runs() if runs_ is None else runs_):
+        out.setdefault(r.stack, []).append(r)
+    return out
+
+
+def leave_one_out(runs_: list[PublishedRun] | None = None) -> list[HeldOut]:
+    """For every stack with at least two runs, for every run of it: calibrate the stack on that
+    run alone (perf.calibrate) and predict each OTHER run of the stack. Every ordered pair once."""
+    out = []
+    for stack, mine in stacks_of(runs_).items():
+        if len(mine) < 2:
+            continue
+        for calibration in mine:
+            fitted = calibrate_on(calibration)
+            out.extend(HeldOut(calibration, target, fitted, predict_with(target, fitted))
+                       for target in mine if target is not calibration)
+    return out
+
+
+def loo_table(held: list[HeldOut] | None = None) -> str:
+    """Markdown, one row per stack: runs, the matmul efficiency each run calibrates to (min-max),
+    held-out predictions within TOLERANCE, median and worst |error|."""
+    held = leave_one_out() if held is None else held
+    lines = ["| stack | runs | calibrated matmul efficiency | held-out within 15% | median abs error | worst |",
+             "|---|---|---|---|---|---|"]
+    for stack in dict.fromkeys(h.target.stack for h in held):
+        mine = [h for h in held if h.target.stack == stack]
+        effs = sorted({h.stack.matmul for h in mine})
+        errors = sorted(abs(h.error) for h in mine)
+        worst = max(mine, key=lambda h: abs(h.error))
+        runs_n = len({h.target.name for h in mine})
+        lines.append(f"| {stack} | {runs_n} | {100 * effs[0]:.0f}-{100 * effs[-1]:.0f}% | "
+                     f"{sum(h.within for h in mine)}/{len(mine)} | {100 * errors[(len(errors) - 1) // 2]:.1f}% | "
+                     f"{100 * worst.error:+.1f}% ({worst.target.name} from {worst.calibration.name}) |")
+    total = sum(h.within for h in held)
+    lines.append(f"| **all** | {len({h.target.name for h in held})} | | **{total}/{len(held)}** "
+                 f"({100 * total / len(held):.0f}%) | | |")
+    return "\n".join(lines)
