@@ -448,6 +448,10 @@ def test_group_time_picks_the_link_of_the_group():
             got = group_time(op, 1e8, size, stride, cluster)
             assert got == collective_time(op, 1e8, size, link), \
                 f"perf.comm: group_time({op}, size {size}, stride {stride}, rails={cluster.rails}) {got} != collective_time on {link}"
+    # NICs faster in sum than NVLink feeds them: the hop runs at NVLink's bandwidth
+    fat = replace(dgx, network=Link(network.alpha, 100e9))
+    assert group_link(16, 1, fat) == Link(network.alpha, nvlink.bandwidth), \
+        f"perf.comm: 8 NICs of 100 GB/s behind NVLink at {nvlink.bandwidth:g} B/s: got {group_link(16, 1, fat)}"
     assert group_time("all_reduce", 1e8, 4, 8, dgx, "tree") == collective_time("all_reduce", 1e8, 4, network, "tree")
     assert group_time("all_reduce", 1e8, 1, 8, dgx) == 0.0, "perf.comm: a group of one rank sends nothing"
     # a 4-GPU node: DP over 2 nodes of TP=4 crosses; TP=2 x CP=2 stays inside
@@ -832,7 +836,7 @@ def test_step_elementwise_roofline_and_flash():
         bandwidth = achieved_bw or cluster.gpu.memory_bandwidth
         for layout in (Layout(), Layout(tp=2, microbatch=2), Layout(cp=2, recompute="full", flash=True),
                        Layout(pp=2, tp=2, recompute="selective"), Layout(dp=2, tp=4, flash=True),
-                       Layout(pp=2, cp=2, recompute="full")):
+                       Layout(pp=2, cp=2, recompute="full"), Layout(tp=2, recompute="selective", flash=True)):
             m = 4
             batch = m * layout.dp * layout.microbatch
             st = step_time(model, layout, cluster, batch)
