@@ -550,37 +550,15 @@ def _build() -> list[PublishedRun]:
 # Why the model misses a run by more than TOLERANCE: {run name: (mechanism, reason)}. The
 # mechanism is one of CORRECTIONS, computed for the run by ``corrected_error`` (the table's
 # last column); the numbers quoted were computed with the reference labkit.perf.
-_ELEMENTWISE_A100 = (
-    "elementwise",
-    "one efficiency for all A100 runs, fitted on the 3.6B run (h=3072), but the published efficiency "
-    "rises with the width: alone, this run needs {alone} of peak. perf.step_time times matmuls only; the "
-    "memory-bound element-wise work (softmax and dropout over the s x s scores, LayerNorm, GeLU) it "
-    "leaves out is ~20% of the matmul time at h=3072 and ~2-4% at h>=14336 (elementwise_share): "
-    "accounted for, the error shrinks to {corrected}")
 REASONS: dict[str, tuple[str, str]] = {
-    "Megatron GPT-310B, 1920 A100": _ELEMENTWISE_A100,
-    "Megatron GPT-530B, 2520 A100": _ELEMENTWISE_A100,
-    "Megatron GPT-1T, 3072 A100": _ELEMENTWISE_A100,
-    "BLOOM 176B, 384 A100": _ELEMENTWISE_A100,
-    "Megatron-Core GPT-1.7B, 48 H100": (
-        "elementwise",
-        "the Hopper efficiency is fitted on the 70B run (h=8192); this h=2048 run alone needs {alone} of "
-        "peak. The element-wise work perf leaves out (14% of the matmul time at h=2048 vs 5% at 8192) "
-        "accounts for part (error {corrected} once counted); the rest is the lower efficiency of "
-        "h=2048 GEMMs themselves, which one achieved-FLOP/s figure per GPU cannot hold"),
-    **{f"Nemotron-4 340B, {g} H100": (
-        "imbalance",
-        "a 256K vocabulary: the output layer (6Vh FLOPs a token) on the last of 12 stages adds {imbalance} "
-        "to that stage's 8 layers, and the slowest stage sets the pipeline's pace; perf.step_time "
-        "splits only the layers evenly. Counted (stage_imbalance), the error is {corrected}")
-       for g in (1536, 3072, 6144)},
     "DeepSeek-V3, 2048 H800": (
         "ep_overlap",
         "perf.step_time puts the expert-parallel all-to-all (here {ep_share} of the predicted step, over "
         "InfiniBand across 8 nodes) on the critical path; DeepSeek-V3's DualPipe overlaps it with the "
-        "computation of another micro-batch (Sec. 3.2.1). Hidden, the error is {corrected}; the rest is "
-        "what the model does not describe: FP8 GEMMs (up to 2x the bf16 rate), MLA attention (modelled as "
-        "plain attention), node-limited routing and the multi-token-prediction module"),
+        "computation of another micro-batch (Sec. 3.2.1). Hidden, the error is {corrected}: the model is then "
+        "too fast, and FP8 GEMMs (up to 2x the bf16 rate) would make it faster still. What slows the real "
+        "run and the model leaves out: the SMs reserved for communication (Sec. 3.2.2), MLA's larger "
+        "attention FLOPs (modelled as plain attention) and the multi-token-prediction module"),
 }
 
 
@@ -768,7 +746,7 @@ def search_limits(run: PublishedRun, restricted: bool = True) -> dict:
     everything perf.candidate_layouts offers. Context parallelism up to the run's own degree."""
     limits = dict(max_cp=run.layout.cp)
     if restricted:
-        limits.update(zero=(run.layout.zero,), recompute=(run.layout.recompute,))
+        limits.update(zero=(run.layout.zero,), recompute=(run.layout.recompute,), flash=(run.layout.flash,))
     return limits
 
 
@@ -835,11 +813,10 @@ def table(predictions: list[Prediction] | None = None, ranks: dict | None = None
                 mark = "fitted on this run"
             elif p.within:
                 mark = "within 15%"
-            elif r.mechanism and r.stack in fit_runs:
-                fixed = corrected_error(p, fit_runs[r.stack], r.mechanism)
-                mark = f"miss; {100 * fixed:+.1f}% with {r.mechanism}"
             else:
-                mark = "miss: " + (r.reason or "(no reason written)")
+                why = explain_pair(HeldOut(fit_runs[r.stack], r, None, p)) if r.stack in fit_runs else None
+                mark = (f"miss; {100 * why[1]:+.1f}% with {why[0]}" if why
+                        else "miss: " + (r.reason or "(no reason written)"))
             row += f" {_fmt(r.kind, p.figure)} | {100 * p.throughput_error:+.1f}% | {mark} |"
             if ranks is not None:
                 row += f" {ranks.get(r.name, '-')} |"
@@ -852,9 +829,15 @@ def misses(predictions: list[Prediction]) -> str:
     fit_runs = {p.run.stack: p.run for p in predictions if p.fitted}
     out = []
     for p in predictions:
-        if p.within or p.fitted:
+        if p.within:
             continue
-        why = explain_miss(p, fit_runs[p.run.stack]) if p.run.reason else "NO REASON WRITTEN"
+        if p.fitted:       # a stack of one run that the model cannot reach even at the peak
+            why = ("the fit saturates at 100% of the peak: " + explain_miss(p, p.run)) if p.run.reason \
+                else "NO REASON WRITTEN"
+        else:
+            pair = explain_pair(HeldOut(fit_runs[p.run.stack], p.run, None, p))
+            why = (f"{pair[0]} ({PAIR_MECHANISMS[pair[0]]}): {100 * pair[1]:+.1f}% once counted" if pair
+                   else "NO REASON WRITTEN")
         out.append(f"- **{p.run.name}** ({100 * p.throughput_error:+.1f}%): {why}")
     return "\n".join(out)
 
@@ -911,6 +894,7 @@ _LLAMA_MEMORY = ("not ranked: perf's memory estimate for the published layout is
                  "is {best}); the unrestricted one, where full recomputation fits them, ranks these degrees "
                  "5th to 8th")
 SEARCH_REASONS: dict[str, str] = {
+    "Megatron GPT-7.5B, 128 A100": _TP_2021,
     "Megatron GPT-18B, 256 A100": _TP_2021,
     "Megatron GPT-39B, 512 A100": _TP_2021,
     "Megatron-Core GPT-70B, 768 H100": _TP_OVERLAP,
@@ -1025,7 +1009,7 @@ PAIR_MECHANISMS = {
     "tp_overlap": "the TP/SP all-gathers and reduce-scatters overlapped with the matmuls (Megatron-Core's "
                   "--tp-comm-overlap, stated in its README): tp_comm off the critical path",
     "dp_overlap": "the data-parallel reduction overlapped with more than the last micro-batch's backward "
-                  "(Megatron-Core's overlapped gradient reduce and parameter gather): dp_exposed hidden",
+                  "(bucketed gradient reduction during every layer's backward): dp_exposed hidden",
     "recompute_overlap": "the stack's full-recomputation runs reach a higher hardware efficiency than its runs "
                          "without (larger micro-batches); counted at the model FLOPs' rate, recompute is the gap",
     "ep_overlap": "DualPipe hides the expert all-to-all: ep_comm off the critical path",
