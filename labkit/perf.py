@@ -35,6 +35,16 @@ them into *time*, with three small models that every estimate of a large run is 
   one node and the network otherwise, where with *rails* every GPU has its own NIC (DGX: NIC i
   of every node on the same leaf switch) and without them the GPUs of a node share one NIC.
 
+* **A software stack's efficiency, calibrated on one run.** The achieved fraction of the peak
+  belongs to a software stack on a GPU generation, not to the GPU. ``Stack(name, gpu, matmul,
+  memory=1.0, source)`` holds it; ``calibrate(model, layout, cluster, global_batch,
+  tokens_per_second=... | step_seconds=...)`` fits ``matmul`` from ONE measured run (a published
+  row, or your own timed step; tokens/s of the whole job) so that ``step_time`` reproduces it,
+  and ``step_time(..., stack=stack)`` (or ``stack.on(cluster)``) predicts other runs of the
+  same stack. Element-wise work is not in that fraction: ``elementwise_bytes`` prices it at
+  HBM bandwidth (the roofline). ``Layout.flash``: fused attention (no scores in HBM, its
+  backward recomputes them), independent of ``Layout.recompute``.
+
 Units everywhere: seconds, bytes, FLOPs, FLOP/s, bytes/s.
 
 Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
