@@ -460,7 +460,9 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #              (p - 1) / (v m + p - 1) of the pipeline's time, for GPipe, 1F1B and interleaved)
 #   dp_comm    the gradient reduction over the data-parallel group (dp x cp ranks share weights):
 #              ZeRO-0 an all-reduce; ZeRO-1/2 a reduce-scatter + an all-gather of the parameters;
-#              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter.
+#              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter
+#              (2m all-gathers and m reduce-scatters a step). Gradients in Layout.grad_bytes (2, or 4
+#              for fp32 accumulation and reduction), weights in 16-bit.
 #              It overlaps with compute: ZeRO-0 with the backward of the last micro-batch, ZeRO-1/2
 #              with that backward and the forward of the first micro-batch (the parameter
 #              all-gather), ZeRO-3 with every micro-batch's forward and backward;
@@ -500,6 +502,7 @@ class Layout:
     recompute: str = "none"        # "none" | "selective" | "full"
     uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
     flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
+    grad_bytes: int = 2            # 4: gradients accumulated and reduced in fp32 (Megatron with bf16, Llama 3)
 
     @property
     def gpus(self) -> int:
@@ -509,7 +512,8 @@ class Layout:
         """A total order on layouts (the search breaks ties of time and memory with it)."""
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
-                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash)
+                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash,
+                self.grad_bytes)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -518,6 +522,7 @@ class Layout:
         text += f"(v={self.virtual})" if self.virtual > 1 else ""
         text += " uneven" if self.uneven else ""
         text += " flash" if self.flash else ""
+        text += " fp32-grads" if self.grad_bytes == 4 else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
@@ -575,6 +580,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
     if gpus is not None and layout.gpus != gpus:
         raise ValueError(f"perf.step: dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
                          f"= {layout.gpus} GPUs, not {gpus}")
+    if layout.grad_bytes not in (2, 4):
+        raise ValueError(f"perf.step: grad_bytes must be 2 (16-bit) or 4 (fp32), got {layout.grad_bytes!r}")
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"perf.step: ZeRO stage must be 0, 1, 2 or 3, got {layout.zero!r}")
     if layout.schedule not in SCHEDULES:
@@ -657,7 +664,8 @@ def parameters_per_gpu(model: Model, layout: Layout, rank: int = 0) -> tuple[flo
 
 def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 0) -> dict[str, float]:
     """Bytes on one GPU of pipeline ``rank``: parameters, gradients and AdamW state
-    (labkit.budget.model_state_bytes, 16-bit weights, fp32 moments and master copy) sharded by
+    (labkit.budget.model_state_bytes, 16-bit weights, ``layout.grad_bytes`` gradients, fp32
+    moments and master copy: 16 bytes a parameter, 18 with fp32 gradients) sharded by
     the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
     labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
     L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
@@ -666,7 +674,7 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
     m = _check_layout(model, layout, global_batch, None)
     dense, experts = parameters_per_gpu(model, layout, rank)
-    element = budget.adamw_bytes(_ELEMENT, 4)
+    element = (_ELEMENT, layout.grad_bytes, budget.adamw_bytes(_ELEMENT, 4)[2])   # fp32 grads: 18 B a parameter
     shards = layout.dp * layout.cp
     states = budget.model_state_bytes(dense, element, layout.zero, shards)
     expert_states = budget.model_state_bytes(experts, element, layout.zero, shards // layout.ep)
@@ -742,12 +750,15 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
                                  (experts, dp * cp // ep, tp * cp * pp * ep if dp > ep else tp)):
         if size < 2 or not params:
             continue
-        nbytes = params * _ELEMENT
-        if layout.zero < 3:       # ZeRO-0 all-reduces; 1, 2 reduce-scatter then all-gather: the same ring
-            dp_comm += group_time("all_reduce", nbytes, size, stride, cluster)
+        weights, grads = params * _ELEMENT, params * layout.grad_bytes
+        if layout.zero == 0:      # all-reduce of the gradients
+            dp_comm += group_time("all_reduce", grads, size, stride, cluster)
+        elif layout.zero < 3:     # reduce-scatter the gradients, all-gather the updated 16-bit weights
+            dp_comm += (group_time("reduce_scatter", grads, size, stride, cluster)
+                        + group_time("all_gather", weights, size, stride, cluster))
         else:
-            dp_comm += m * (2 * group_time("all_gather", nbytes, size, stride, cluster)
-                            + group_time("reduce_scatter", nbytes, size, stride, cluster))
+            dp_comm += m * (2 * group_time("all_gather", weights, size, stride, cluster)
+                            + group_time("reduce_scatter", grads, size, stride, cluster))
     backward_mb = compute_mb * 2 / 3 + recompute_mb
     hides = {0: backward_mb, 1: compute_mb + recompute_mb, 2: compute_mb + recompute_mb,
              3: m * (compute_mb + recompute_mb)}[layout.zero]
@@ -773,7 +784,7 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
-                      max_ep: int | None = None, uneven: bool = False, flash=(False,)):
+                      max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -782,7 +793,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
-    ``flash``: the attention kernels tried (innermost loop; default plain attention only).
+    ``flash``: the attention kernels tried (innermost loop; default plain attention only);
+    ``grad_bytes``: the gradients' element size every layout gets.
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -812,7 +824,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                     for fused in flash:
                                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
                                                      schedule=schedule, virtual=v, recompute=r,
-                                                     uneven=model.layers % (pp * v) != 0, flash=fused)
+                                                     uneven=model.layers % (pp * v) != 0, flash=fused,
+                                                     grad_bytes=grad_bytes)
     # END SOLUTION
 
 

@@ -296,7 +296,7 @@ def _megatron_h100():
     runs = []
     for size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops, mfu, pflops in rows:
         model = _gpt(f"GPT {size}", layers, hidden, heads, 131072, 4096)
-        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1, flash=True)
+        layout = perf.Layout(dp=dp, tp=tp, pp=pp, zero=1, microbatch=1, flash=True, grad_bytes=4)
         runs.append(PublishedRun(
             name=f"Megatron-Core GPT-{size}, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=tflops, kind="tflops_model", cluster=dgx_h100(),
@@ -329,7 +329,7 @@ def _llama3():
     runs = []
     for model, gpus, dp, cp, per_dp, tflops, mfu in rows:
         layout = perf.Layout(dp=dp, tp=8, pp=16, cp=cp, zero=2, microbatch=1, schedule="interleaved", virtual=2,
-                             flash=True)
+                             flash=True, grad_bytes=4)
         runs.append(PublishedRun(
             name=f"Llama 3 405B, {gpus} H100, seq {model.seq}", citation=cite, model=model, gpu="H100",
             gpus=gpus, layout=layout, global_batch=dp * per_dp, figure=tflops, kind="tflops_model",
@@ -400,7 +400,7 @@ def _nemotron():
     runs = []
     for gpus, batch, step, mfu in ((1536, 768, 10.3, 0.424), (3072, 1536, 10.3, 0.423), (6144, 2304, 8.0, 0.410)):
         layout = perf.Layout(dp=gpus // 96, tp=8, pp=12, zero=1, microbatch=1, schedule="interleaved", virtual=2,
-                             flash=True)
+                             flash=True, grad_bytes=4)
         runs.append(PublishedRun(
             name=f"Nemotron-4 340B, {gpus} H100", citation=cite, model=model, gpu="H100", gpus=gpus,
             layout=layout, global_batch=batch, figure=step, kind="step_s", cluster=dgx_h100(),
@@ -747,6 +747,8 @@ def search_limits(run: PublishedRun, restricted: bool = True) -> dict:
     limits = dict(max_cp=run.layout.cp)
     if restricted:
         limits.update(zero=(run.layout.zero,), recompute=(run.layout.recompute,), flash=(run.layout.flash,))
+        if run.layout.grad_bytes != 2:
+            limits.update(grad_bytes=run.layout.grad_bytes)
     return limits
 
 

@@ -867,6 +867,37 @@ def test_step_elementwise_roofline_and_flash():
     _close(a.recompute, b.recompute, "perf.step: flash's recomputation vs selective's")
 
 
+@task("perf.step", points=1)
+def test_step_fp32_gradients_bytes_and_memory():
+    """Layout(grad_bytes=4): gradients accumulated and reduced in fp32 (Megatron with bf16,
+    Llama 3): the gradient reduction moves 4 bytes a parameter (the weights' all-gather still 2),
+    and the gradients take 4 bytes a parameter of memory (18 B unsharded; 6 + 12/d with ZeRO-1)."""
+    from labkit.perf import Layout, Link, collective_time, memory_per_gpu, parameters_per_gpu, step_time
+    model, cluster, m = _dense(), _cluster(network=(20e-6, 1e9)), 4
+    for zero in (0, 1, 2, 3):
+        for base in (Layout(dp=8, zero=zero), Layout(dp=2, tp=2, pp=2, zero=zero, microbatch=2)):
+            layout = replace(base, grad_bytes=4)
+            batch = m * layout.dp * layout.microbatch
+            st, st16 = step_time(model, layout, cluster, batch), step_time(model, base, cluster, batch)
+            where = f"perf.step: {layout}"
+            dense = max(parameters_per_gpu(model, layout, r)[0] for r in range(layout.pp))
+            size, stride = layout.dp, layout.tp * layout.cp * layout.pp
+            net = cluster.nvlink if 4 % (size * stride) == 0 else Link(
+                cluster.network.alpha, min(max(1, min(size, 4 // stride)) * cluster.network.bandwidth,
+                                           cluster.nvlink.bandwidth))
+            rs, ag = (collective_time(op, b * dense, size, net) for op, b in (("reduce_scatter", 4), ("all_gather", 2)))
+            want = {0: collective_time("all_reduce", 4 * dense, size, net), 1: rs + ag, 2: rs + ag,
+                    3: m * (2 * ag + rs)}[zero]
+            _close(st.dp_comm, want, f"{where}: dp_comm with fp32 gradients")
+            assert st.dp_comm > st16.dp_comm, f"{where}: fp32 gradients must cost more than 16-bit ones"
+            mem, mem16 = memory_per_gpu(model, layout, batch), memory_per_gpu(model, base, batch)
+            _close(mem["grads"], 2 * mem16["grads"], f"{where}: fp32 gradient memory (twice the 16-bit)")
+            _close(mem["params"], mem16["params"], f"{where}: the weights stay 16-bit")
+            _close(mem["optimizer"], mem16["optimizer"], f"{where}: the optimizer state is unchanged")
+    with pytest.raises(ValueError):
+        step_time(model, Layout(grad_bytes=3), cluster, 4)
+
+
 @task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks

@@ -268,3 +268,15 @@ MUTANTS += [
            find="held=held, flash=layout.flash or layout.recompute == \"selective\",",
            replace="held=held, flash=layout.recompute == \"selective\","),
 ]
+
+MUTANTS += [
+    Mutant("perf.step", "fp32_grads_ignored_in_comm", "the gradient reduction still moves 16-bit gradients",
+           find="        weights, grads = params * _ELEMENT, params * layout.grad_bytes\n",
+           replace="        weights, grads = params * _ELEMENT, params * _ELEMENT\n"),
+    Mutant("perf.step", "fp32_weights_gathered", "the updated weights all-gathered in fp32 too",
+           find="        weights, grads = params * _ELEMENT, params * layout.grad_bytes\n",
+           replace="        weights, grads = params * layout.grad_bytes, params * layout.grad_bytes\n"),
+    Mutant("perf.step", "fp32_grads_ignored_in_memory", "fp32 gradients stored in 2 bytes",
+           find="    element = (_ELEMENT, layout.grad_bytes, budget.adamw_bytes(_ELEMENT, 4)[2])",
+           replace="    element = budget.adamw_bytes(_ELEMENT, 4)"),
+]
