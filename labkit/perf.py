@@ -449,7 +449,9 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #   tp_comm    Megatron tensor + sequence parallelism (chapters 05, 07): per layer and micro-batch
 #              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
 #              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
-#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group
+#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group.
+#              Layout.tp_overlap (collective matmul / async TP, chapter 11): only what exceeds the
+#              micro-batch's compute + recompute is exposed
 #   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
 #              2 (cp - 1) backward (K, V again and their gradients), + (cp - 1) with full recompute
 #   ep_comm    per MoE layer, dispatch + combine all-to-alls forward and backward (4; 6 with full
@@ -503,6 +505,7 @@ class Layout:
     uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
     flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
     grad_bytes: int = 2            # 4: gradients accumulated and reduced in fp32 (Megatron with bf16, Llama 3)
+    tp_overlap: bool = False       # TP/SP collectives overlapped with the matmuls (collective matmul, async TP)
 
     @property
     def gpus(self) -> int:
@@ -513,7 +516,7 @@ class Layout:
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
                 RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash,
-                self.grad_bytes)
+                self.grad_bytes, self.tp_overlap)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -523,6 +526,7 @@ class Layout:
         text += " uneven" if self.uneven else ""
         text += " flash" if self.flash else ""
         text += " fp32-grads" if self.grad_bytes == 4 else ""
+        text += " tp-overlap" if self.tp_overlap else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
@@ -734,6 +738,8 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
     tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
                                            + group_time("reduce_scatter", activation, tp, 1, cluster))
+    if layout.tp_overlap:     # hidden behind the micro-batch's matmuls: only the excess is on the critical path
+        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))
     kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
     cp_mb = layers * (cp - 1) * (4 if full else 3) * group_time("send", kv_bytes, cp, tp, cluster)
     moe_layers = max(layers_on_rank(model, layout, r)[1] for r in range(pp))
@@ -784,7 +790,8 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
-                      max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2):
+                      max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2,
+                      tp_overlap: bool = False):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -794,7 +801,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
     ``flash``: the attention kernels tried (innermost loop; default plain attention only);
-    ``grad_bytes``: the gradients' element size every layout gets.
+    ``grad_bytes``, ``tp_overlap``: what every layout gets (the stack's gradient precision and
+    whether it overlaps TP communication).
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -825,7 +833,7 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
                                                      schedule=schedule, virtual=v, recompute=r,
                                                      uneven=model.layers % (pp * v) != 0, flash=fused,
-                                                     grad_bytes=grad_bytes)
+                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap)
     # END SOLUTION
 
 

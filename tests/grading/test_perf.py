@@ -898,6 +898,28 @@ def test_step_fp32_gradients_bytes_and_memory():
         step_time(model, Layout(grad_bytes=3), cluster, 4)
 
 
+@task("perf.step", points=1)
+def test_step_tp_overlap_exposes_only_the_excess():
+    """Layout(tp_overlap=True): the TP/SP collectives run behind the micro-batch's matmuls
+    (collective matmul, async TP); per micro-batch only max(0, TP time - (compute + recompute))
+    is on the critical path, in both regimes (a slow NVLink exposes part, a fast one none)."""
+    from labkit.perf import Layout, step_time
+    model, m = _dense(), 4
+    for nvlink, exposed in (((2e-6, 2e8), True), ((0.0, 1e15), False)):
+        cluster = _cluster(nvlink=nvlink)
+        for base in (Layout(tp=2), Layout(tp=4, recompute="full", microbatch=2), Layout(tp=2, pp=2, flash=True),
+                     Layout(dp=2, tp=2, recompute="selective")):
+            layout = replace(base, tp_overlap=True)
+            batch = m * layout.dp * layout.microbatch
+            plain, st = step_time(model, base, cluster, batch), step_time(model, layout, cluster, batch)
+            where = f"perf.step: {layout}, NVLink {nvlink}"
+            want = m * max(0.0, plain.tp_comm / m - (plain.compute + plain.recompute) / m)
+            _close(st.tp_comm, want, f"{where}: exposed tp_comm")
+            _close(_terms(st), st.total, f"{where}: total vs the sum of its terms")
+            assert (st.tp_comm > 0) == exposed, f"{where}: tp_comm {st.tp_comm:.3g} s; expected " + \
+                ("part of it exposed" if exposed else "all of it hidden")
+
+
 @task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks

@@ -280,3 +280,18 @@ MUTANTS += [
            find="    element = (_ELEMENT, layout.grad_bytes, budget.adamw_bytes(_ELEMENT, 4)[2])",
            replace="    element = budget.adamw_bytes(_ELEMENT, 4)"),
 ]
+
+MUTANTS += [
+    Mutant("perf.step", "tp_overlap_ignored", "overlapped TP still charged in full",
+           find="    if layout.tp_overlap:     # hidden",
+           replace="    if False:     # hidden"),
+    Mutant("perf.step", "tp_overlap_hides_all", "overlapped TP costs nothing, however slow the link",
+           find="        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))\n",
+           replace="        tp_mb = 0.0\n"),
+    Mutant("perf.step", "tp_overlap_behind_the_step", "overlapped TP hidden behind all m micro-batches' compute",
+           find="        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))\n",
+           replace="        tp_mb = max(0.0, tp_mb - m * (compute_mb + recompute_mb))\n"),
+    Mutant("perf.step", "tp_overlap_without_recompute", "overlapped TP hidden behind the compute only, not the recomputation",
+           find="        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))\n",
+           replace="        tp_mb = max(0.0, tp_mb - compute_mb)\n"),
+]
