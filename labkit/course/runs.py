@@ -887,9 +887,6 @@ _TP_2021 = ("rank {rank}: the published layout spends {tp_share} of its step in 
             "stages with the interleaved schedule and is {gain} faster but needs {best_memory} of memory "
             "against the published {memory}. The paper's table follows its rule of thumb (TP up to a node's "
             "8 GPUs, then PP: its Sec. 3 takeaway, as we recall it), not a search")
-_TP_OVERLAP = ("rank {rank}: with TP overlapped (Layout(tp_overlap=True), {tp_share} of the published step still "
-               "exposed) the model's fastest, {best}, is {gain} faster; the README's layouts keep pp small and "
-               "dp = 48 fixed across sizes (a weak-scaling table, not a search)")
 _LLAMA_MEMORY = ("not ranked: perf's memory estimate for the published layout is {memory} per GPU, over the "
                  "H100's 80 GB: the first pipeline rank holds the activations of pp micro-batches (1F1B) or "
                  "of the interleaved warm-up's (v-1) pp + 2 (pp-1) + 1 chunks, 8192 or 131072/cp tokens each; "
