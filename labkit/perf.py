@@ -8,9 +8,9 @@ them into *time*, with three small models that every estimate of a large run is 
   FLOPs forward and twice that backward (the gradient of the input and of the weight): 6 FLOPs
   per parameter the token touches. Attention adds the token's scores against the s keys and
   the weighted sum of the s values, 2 x 2 s d FLOPs per head forward: 12 L (a d) s per token for
-  forward + backward. Causal masking does not halve it as counted here: the kernels compute
-  the full s x s square (``torch.utils.flop_counter`` counts it so too, PaLM's formula counts it
-  so). A mixture of experts multiplies by the k routed (and the shared) experts a token visits,
+  forward + backward. Causal masking does not halve it as counted here: the full s x s square is
+  a COUNTING CONVENTION (``torch.utils.flop_counter`` and PaLM's formula count it so), not what
+  causal kernels run: FlashAttention skips the masked tiles and executes about half of it. A mixture of experts multiplies by the k routed (and the shared) experts a token visits,
   not by all of them (the *active* parameters); grouped-query attention shrinks the k and v
   projections, not the attention term. Recomputation (chapter 12) runs a forward again:
 
