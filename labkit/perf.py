@@ -219,11 +219,25 @@ def mfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float) ->
     # END SOLUTION
 
 
-def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, recompute: str) -> float:
+HFU_CONVENTIONS = ("palm", "korthikanti")
+
+
+def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, recompute: str,
+        convention: str = "palm") -> float:
     """Hardware FLOPs utilization (PaLM, appendix B): as MFU, with the FLOPs the chips ran,
-    recomputation's included (``flops_per_token(model, recompute)``)."""
-    # BEGIN SOLUTION perf.flops: tokens/s x flops_per_token(model, recompute) / (gpus x peak)
-    return tokens_per_second * flops_per_token(model, recompute) / (gpus * peak_flops)
+    recomputation's included (``flops_per_token(model, recompute)``: selective adds attention's
+    forward, 4 L a d s). ``convention="korthikanti"``: Korthikanti et al. 2022's count of
+    selective recomputation, which adds the whole attention term again, 12 L a d s a token (their
+    hardware FLOPs 72 B s L h^2 (1 + s/3h + V/12hL) against the model's 1 + s/6h + V/12hL); the
+    course's convention is PaLM's, offered theirs to compare with their HFU/MFU pairs. The two
+    differ only for "selective"."""
+    if convention not in HFU_CONVENTIONS:
+        raise ValueError(f"convention must be one of {HFU_CONVENTIONS}, got {convention!r}")
+    # BEGIN SOLUTION perf.flops: tokens/s x flops_per_token(model, recompute) / (gpus x peak); korthikanti + selective: + 8 L a d s more (12 in all)
+    flops = flops_per_token(model, recompute)
+    if convention == "korthikanti" and recompute == "selective":
+        flops += 8 * model.layers * model.heads * model.head_size * model.seq
+    return tokens_per_second * flops / (gpus * peak_flops)
     # END SOLUTION
 
 

@@ -121,7 +121,7 @@ PALM = dict(layers=118, hidden=18432, heads=48, head_dim=256, kv_heads=1, ffn=4 
 def test_mfu_and_hfu_on_palms_published_run():
     """PaLM (Chowdhery et al. 2022, arXiv:2204.02311): 540.35B parameters; section 4 / appendix B:
     238.3K tokens/s on 6144 TPU v4 chips, 275 TFLOP/s bf16 peak each, 46.2% MFU, 57.8% HFU."""
-    from labkit.perf import Model, hfu, mfu
+    from labkit.perf import Model, flops_per_token, hfu, mfu
     palm = Model(**PALM)
     assert round(palm.active_params() / 1e7) == 54035, f"perf.flops: PaLM 540B counts {palm.active_params()}, paper 540.35B"
     tokens, chips, peak = 238.3e3, 6144, 275e12
@@ -137,6 +137,18 @@ def test_mfu_and_hfu_on_palms_published_run():
     assert math.isclose(half, got / 2, rel_tol=1e-12), f"perf.flops: MFU at half the throughput {half} vs {got / 2}"
     assert math.isclose(mfu(tokens, palm, 2 * chips, peak), got / 2, rel_tol=1e-12), "perf.flops: MFU must divide by the chips"
     assert math.isclose(hfu(tokens, palm, chips, 2 * peak, "full"), full / 2, rel_tol=1e-12), "perf.flops: HFU must divide by the peak"
+    # Korthikanti et al.'s convention: selective recomputation counts the whole attention term again (12 L a d s)
+    attention = 12 * 118 * 48 * 256 * 2048
+    for r in ("none", "selective", "full"):
+        theirs = hfu(tokens, palm, chips, peak, r, convention="korthikanti")
+        extra = attention if r == "selective" else 0
+        want = tokens * (flops_per_token(palm, "none" if r == "selective" else r) + extra) / (chips * peak)
+        assert math.isclose(theirs, want, rel_tol=1e-12), \
+            f"perf.flops: HFU(korthikanti, {r}) {theirs:.6f}, expected {want:.6f} (selective: + 12 L a d s)"
+        assert math.isclose(hfu(tokens, palm, chips, peak, r, "palm"), hfu(tokens, palm, chips, peak, r), rel_tol=0), \
+            "perf.flops: convention='palm' is the default"
+    with pytest.raises(ValueError):
+        hfu(tokens, palm, chips, peak, "selective", convention="megatron")
     assert math.isclose(full / got, 1 + (2 * (palm.active_params() - palm.vocab * palm.hidden) + 4 * 118 * 48 * 256 * 2048)
                         / (6 * palm.active_params() + 12 * 118 * 48 * 256 * 2048), rel_tol=1e-12), \
         "perf.flops: HFU(full)/MFU must be 1 + (one forward of the layers) / (model FLOPs)"

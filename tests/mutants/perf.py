@@ -295,3 +295,18 @@ MUTANTS += [
            find="        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))\n",
            replace="        tp_mb = max(0.0, tp_mb - compute_mb)\n"),
 ]
+
+MUTANTS += [
+    Mutant("perf.flops", "korthikanti_ignored", "Korthikanti's convention counted as PaLM's",
+           find="    if convention == \"korthikanti\" and recompute == \"selective\":\n",
+           replace="    if False:\n"),
+    Mutant("perf.flops", "korthikanti_forward_only", "Korthikanti's selective count as one more attention forward (4 L a d s)",
+           find="        flops += 8 * model.layers * model.heads * model.head_size * model.seq\n",
+           replace="        flops += 0 * model.layers * model.heads * model.head_size * model.seq\n"),
+    Mutant("perf.flops", "korthikanti_full_too", "Korthikanti's extra attention term added to full recomputation too",
+           find="    if convention == \"korthikanti\" and recompute == \"selective\":\n",
+           replace="    if convention == \"korthikanti\" and recompute != \"none\":\n"),
+    Mutant("perf.flops", "korthikanti_twelve_on_top", "adds 12 L a d s on top of the selective forward (16 in all)",
+           find="        flops += 8 * model.layers * model.heads * model.head_size * model.seq\n",
+           replace="        flops += 12 * model.layers * model.heads * model.head_size * model.seq\n"),
+]
