@@ -247,7 +247,10 @@ def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, re
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator: dense 16-bit peak FLOP/s, memory bandwidth (bytes/s) and capacity
-    (bytes), and what a measured kernel achieves (None: no cited measurement; the peak is used)."""
+    (bytes), and what a measured kernel achieves (None: no cited measurement; the peak is used).
+    ``fp8_flops``: the dense FP8 peak where the tensor cores have one. A FLOP is a FLOP in either
+    precision: MFU is quoted against the 16-bit peak (DeepSeek-V3 does so for its FP8 run), so a
+    run in FP8 can exceed what the 16-bit peak allows."""
     name: str
     peak_flops: float
     memory_bandwidth: float
@@ -255,6 +258,7 @@ class Hardware:
     achieved_flops: float | None = None
     achieved_bandwidth: float | None = None
     source: str = ""
+    fp8_flops: float | None = None     # dense FP8 peak (None: no FP8 tensor cores); FLOPs are counted the same
 
 
 _MAMF = ("achieved: Bekman, 'Machine Learning Engineering', Maximum Achievable Matmul FLOPS (MAMF) table, "
@@ -267,19 +271,21 @@ HARDWARE: dict[str, Hardware] = {
                + _MAMF + ": 271.2 TFLOP/s (torch 2.6, CUDA 12.6)"),
     "H100": Hardware(
         "H100 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
+               "FP8 3,958 with sparsity = 1,979 dense, "
                "HBM3 3.35 TB/s, 80 GB; " + _MAMF + ": 794.5 TFLOP/s (torch 2.7, CUDA 12.6)"),
     "H200": Hardware(
         "H200 SXM 141GB", peak_flops=989e12, memory_bandwidth=4.8e12, memory_bytes=141e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
+               "FP8 3,958 with sparsity = 1,979 dense, "
                "HBM3e 4.8 TB/s, 141 GB; " + _MAMF + ": 794.5 TFLOP/s, the H100 row ('H200 is the same')"),
     "H800": Hardware(
         "H800 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H800 SXM5, the export variant of the H100 SXM5: its compute and HBM3 (989 TFLOP/s BF16 "
-               "dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
+               "dense, 1,979 FP8 dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
                "arXiv:2412.19437, section 3.1); achieved: the H100 MAMF row, 794.5 TFLOP/s (same tensor cores)"),
 }
 

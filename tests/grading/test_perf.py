@@ -346,6 +346,9 @@ def test_hardware_rows_cite_their_figures_and_a_measured_cpu_is_classified():
         assert hw.source and f"{hw.peak_flops / 1e12:g}" in hw.source.replace(",", ""), \
             f"perf.roofline: HARDWARE[{key!r}] must cite its peak {hw.peak_flops / 1e12:g} TFLOP/s in source"
         assert hw.achieved_flops is None or hw.achieved_flops < hw.peak_flops, f"perf.roofline: {key}: achieved above peak"
+        if hw.fp8_flops is not None:   # FP8 doubles the dense tensor-core peak on Hopper (datasheets)
+            assert abs(hw.fp8_flops / hw.peak_flops - 2) < 0.01 and f"{hw.fp8_flops / 1e12:g}" in hw.source.replace(",", ""), \
+                f"perf.roofline: HARDWARE[{key!r}] must cite its FP8 peak {hw.fp8_flops / 1e12:g} TFLOP/s"
     # This CPU, measured: the best of a few runs of a large fp32 matmul and of a large copy.
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     x = torch.randn(4_000_000)

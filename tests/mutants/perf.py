@@ -134,6 +134,7 @@ MUTANTS = [
 EQUIVALENT: dict[str, str] = {
     "perf.roofline/swap/d61f3305": "max(a, b) and max(b, a) are the same value",
     "perf.comm/swap/acc9d0bf": "min(stride, gpus_per_node) and min(gpus_per_node, stride) are the same value",
+    "perf.comm/swap/5e155173": "min(group_size, gpus_per_node // stride) and its operands swapped are the same value",
 }
 
 
