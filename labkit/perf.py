@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 RECOMPUTE = ("none", "selective", "full")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-ALGOS = ("ring", "tree")
+ALGOS = ("ring", "tree", "nvls")
 
 
 # ----------------------------------------------------------------------------- the model
@@ -287,6 +287,13 @@ HARDWARE: dict[str, Hardware] = {
         source="NVIDIA H800 SXM5, the export variant of the H100 SXM5: its compute and HBM3 (989 TFLOP/s BF16 "
                "dense, 1,979 FP8 dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
                "arXiv:2412.19437, section 3.1); achieved: the H100 MAMF row, 794.5 TFLOP/s (same tensor cores)"),
+    "GB200": Hardware(
+        "B200 in a GB200 NVL72 (1,200 W)", peak_flops=2500e12, memory_bandwidth=8e12, memory_bytes=192e9,
+        fp8_flops=5000e12,
+        source="GB200 (the B200 of a GB200 superchip, configured at 1,200 W): BF16 2,500 TFLOP/s dense, FP8 "
+               "5,000 dense, HBM3e 192 GB at 8 TB/s: glennklockwood.com/garden/processors/B200 quoting NVIDIA "
+               "(a second source, verda.com's GB300 post, lists 2,250 BF16 dense for GB200: the figure is not "
+               "settled; no achieved figure cited)"),
 }
 
 
@@ -375,6 +382,12 @@ CLUSTERS: dict[str, Cluster] = {
         source="DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
                "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU; " + _ALPHA_SOURCE),
 }
+CLUSTERS["gb200-nvl72"] = Cluster(
+    HARDWARE["GB200"], nvlink=Link(_NVLINK_ALPHA, 900e9), network=Link(_NET_ALPHA, 50e9), gpus_per_node=72,
+    name="GB200 NVL72 (one 72-GPU NVLink domain)",
+    source="GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain through NVLink switches, 1.8 TB/s per GPU "
+           "(900 GB/s each way): verda.com and aiwiki.ai quoting NVIDIA; network between racks: 400 Gb/s per GPU "
+           "ASSUMED (not verified; IB 50 GB/s each way); " + _ALPHA_SOURCE)
 CLUSTER_SOURCES = {key: cluster.source for key, cluster in CLUSTERS.items()}
 
 
@@ -396,17 +409,24 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
               all_gather, reduce_scatter
                               ceil(log2 N) alpha + (N-1)/N S/B recursive doubling / halving
                                                                (Thakur et al. 2005)
-        send                  alpha + S/B                      (either algorithm)
+        nvls  all_reduce      2 alpha + S/B                    in-network reduction (NCCL's NVLS on an
+                                                               NVSwitch, CollNet/SHARP on an InfiniBand
+                                                               switch): each rank pushes S to the switch,
+                                                               which reduces, and receives the S reduced
+                                                               (multicast): half a ring's bytes
+              all_gather, reduce_scatter
+                              alpha + (N-1)/N S/B              one multicast / one in-switch reduction
+        send                  alpha + S/B                      (any algorithm)
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if op == "all_to_all" and algo == "tree":
+    if op == "all_to_all" and algo != "ring":
         raise ValueError("all_to_all: this model has only the pairwise exchange (algo='ring')")
     if ranks < 1 or nbytes < 0:
         raise ValueError(f"{op}: need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
-    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; tree: ceil(log2 N) rounds of alpha (all-reduce 2x, pipelined: 2 S/B in all; AG/RS: (N-1)/N S in all)
+    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; nvls: 2 alpha + S/B (AG/RS: alpha + (N-1)/N S/B); tree: ceil(log2 N) rounds of alpha (all-reduce 2x, pipelined: 2 S/B in all; AG/RS: (N-1)/N S in all)
     if ranks == 1:
         return 0.0
     alpha, bandwidth = link.alpha, link.bandwidth
@@ -415,6 +435,10 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
     if algo == "ring":
         steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
         return steps * (alpha + nbytes / ranks / bandwidth)
+    if algo == "nvls":
+        if op == "all_reduce":
+            return 2 * alpha + nbytes / bandwidth
+        return alpha + (ranks - 1) / ranks * nbytes / bandwidth
     rounds = math.ceil(math.log2(ranks))
     if op == "all_reduce":
         return 2 * rounds * alpha + 2 * nbytes / bandwidth

@@ -414,11 +414,26 @@ def test_collective_times_follow_chapter_00():
         assert math.isclose(ring, tree, rel_tol=1e-9), f"perf.comm: at chapter 00's S* = {crossover:g} B on {n}, ring {ring} != tree {tree}"
         assert collective_time("all_reduce", crossover / 2, n, link, "tree") < collective_time("all_reduce", crossover / 2, n, link), \
             f"perf.comm: below S* on {n} ranks the tree must win"
+    # in-network reduction (NVLS / SHARP): each rank sends S once and receives the reduced S once
+    for n in (2, 5, 8, 72):
+        for size in (8e3, 1e9):
+            got = collective_time("all_reduce", size, n, link, "nvls")
+            assert math.isclose(got, 2 * alpha + size / bandwidth, rel_tol=1e-12), \
+                f"perf.comm: nvls all_reduce of {size:g} B on {n}: {got}, expected 2 alpha + S/B"
+            for op in ("all_gather", "reduce_scatter"):
+                got = collective_time(op, size, n, link, "nvls")
+                assert math.isclose(got, alpha + (n - 1) / n * size / bandwidth, rel_tol=1e-12), \
+                    f"perf.comm: nvls {op} of {size:g} B on {n}: {got}, expected alpha + (N-1)/N S/B"
+        ring = collective_time("all_reduce", 1e9, n, Link(0.0, bandwidth))
+        assert math.isclose(collective_time("all_reduce", 1e9, n, Link(0.0, bandwidth), "nvls") / ring,
+                            n / (2 * (n - 1)), rel_tol=1e-12), "perf.comm: NVLS moves N / (2(N-1)) of a ring's bytes"
+    with pytest.raises(ValueError):
+        collective_time("all_to_all", 1e6, 4, link, "nvls")
     # send: one message, whatever the algorithm; one rank: nothing crosses a link
-    for algo in ("ring", "tree"):
+    for algo in ("ring", "tree", "nvls"):
         assert collective_time("send", 1e6, 2, link, algo) == alpha + 1e6 / bandwidth, f"perf.comm: send ({algo})"
         for op in OPS:
-            if (op, algo) != ("all_to_all", "tree"):
+            if op != "all_to_all" or algo == "ring":
                 assert collective_time(op, 1e6, 1, link, algo) == 0.0, f"perf.comm: {op} ({algo}) on one rank must take 0 s"
     with pytest.raises(ValueError):
         collective_time("all_to_all", 1e6, 4, link, "tree")

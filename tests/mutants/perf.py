@@ -311,3 +311,18 @@ MUTANTS += [
            find="        flops += 8 * model.layers * model.heads * model.head_size * model.seq\n",
            replace="        flops += 12 * model.layers * model.heads * model.head_size * model.seq\n"),
 ]
+
+MUTANTS += [
+    Mutant("perf.comm", "nvls_as_ring_bytes", "in-network reduction still sends a ring's 2(N-1)/N S",
+           find="            return 2 * alpha + nbytes / bandwidth\n",
+           replace="            return 2 * alpha + 2 * (ranks - 1) / ranks * nbytes / bandwidth\n"),
+    Mutant("perf.comm", "nvls_no_latency", "in-network reduction without its two hops' latency",
+           find="            return 2 * alpha + nbytes / bandwidth\n",
+           replace="            return nbytes / bandwidth\n"),
+    Mutant("perf.comm", "nvls_allgather_whole_buffer", "an NVLS all-gather receives the whole S, its own shard too",
+           find="        return alpha + (ranks - 1) / ranks * nbytes / bandwidth\n    rounds",
+           replace="        return alpha + nbytes / bandwidth\n    rounds"),
+    Mutant("perf.comm", "nvls_is_tree", "NVLS priced as the tree",
+           find="    if algo == \"nvls\":\n",
+           replace="    if False:\n"),
+]
