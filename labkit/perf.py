@@ -29,11 +29,16 @@ them into *time*, with three small models that every estimate of a large run is 
 
 * **Communication time per collective and per link class** with chapter 00's alpha-beta
   model: a message of m bytes costs alpha + m / bandwidth. A ring all-reduce of S bytes on N
-  ranks is 2(N-1) steps of S/N bytes, a binomial tree 2 ceil(log2 N) steps of S bytes. A
+  ranks is 2(N-1) steps of S/N bytes; NCCL's pipelined double binary tree 2 ceil(log2 N)
+  latencies and 2 S/B; an in-network reduction (NVLS, SHARP) 2 latencies and S/B. The ring's
+  latency: the course charges every step the group's link alpha (NCCL's tuning model charges the
+  network's only on the steps that cross nodes, which lowers it). A
   cluster has two link classes: NVLink inside a node (``gpus_per_node`` GPUs), the network
   between nodes. A group of ranks (the TP group, the DP group, ...) uses NVLink when it lies in
   one node and the network otherwise, where with *rails* every GPU has its own NIC (DGX: NIC i
-  of every node on the same leaf switch) and without them the GPUs of a node share one NIC.
+  of every node on the same leaf switch) and NCCL runs a channel per NIC, so a group with k
+  members in a node crosses on k NICs; without rails the GPUs of a node share one NIC. A
+  72-GPU NVLink domain (GB200 NVL72) is a "node" of 72.
 
 * **A software stack's efficiency, calibrated on one run.** The achieved fraction of the peak
   belongs to a software stack on a GPU generation, not to the GPU. ``Stack(name, gpu, matmul,
@@ -48,10 +53,14 @@ them into *time*, with three small models that every estimate of a large run is 
 Units everywhere: seconds, bytes, FLOPs, FLOP/s, bytes/s.
 
 Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
-    perf.flops      Model.active_params, flops_per_token (dense, GQA, MoE, recomputation), mfu, hfu
+    perf.flops      Model.active_params, flops_per_token (dense, GQA, MoE, recomputation), mfu,
+                    hfu (PaLM's convention, or Korthikanti's for selective recomputation)
     perf.roofline   op_time, matmul_time, arithmetic_intensity, ridge_point
-    perf.comm       collective_time (ring, tree; per op), group_time (which link a group uses)
-    perf.step       step_time: a layout's step, term by term (below the marker line)
+    perf.comm       collective_time (ring, NCCL's pipelined tree, NVLS/SHARP in-network reduction;
+                    per op), group_time (which link a group uses: NVLink, or the network over k rails)
+    perf.step       step_time: a layout's step, term by term (below the marker line), with
+                    elementwise_bytes (memory-bound work at HBM bandwidth), flash attention, fp32
+                    gradients (Layout.grad_bytes) and overlapped TP (Layout.tp_overlap)
     perf.search     search_layouts: rank the layouts of a cluster by predicted step time
 """
 
