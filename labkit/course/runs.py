@@ -1,17 +1,21 @@
 """Published training runs, held against chapter 14's step-time model (``labkit.perf``).
 
 Each :class:`PublishedRun` is a training (or benchmark) run whose paper states the model's
-shape, the cluster (GPU type and count), the layout and a measured throughput. The chapter's
-claim is that ``perf.step_time`` with ONE achieved-efficiency figure per GPU generation
-predicts every run's throughput; this module holds the data and the arithmetic of the check:
+shape, the cluster (GPU type and count), the layout and a measured throughput, and the
+SOFTWARE STACK that ran it (:data:`STACKS`). The chapter's claim is that ``perf.step_time``
+with a stack's efficiency calibrated on ONE of its runs (``perf.calibrate``) predicts the
+stack's other runs; this module holds the data and the arithmetic of the check:
 
 * :data:`RUNS`: the runs, each with its citation and a note of which numbers were checked
   against a source we could read (``verified``) and which are from memory of the paper
   (``recalled``);
 * :func:`published_tokens_per_gpu`: the published figure as tokens per GPU-second, converted
   with the paper's OWN FLOP convention (a TFLOP/s figure means nothing without it);
-* :func:`fit_efficiency`: one efficiency per generation, fitted on one run per generation (the
-  run whose published MFU is the median of its generation: never more than a third of the runs);
+* :func:`fit_efficiency`: one efficiency per stack, calibrated on the stack's median-MFU run
+  (never more than a third of the runs);
+* :func:`leave_one_out`, :func:`loo_table`, :func:`loo_misses`: the held-out figure that counts,
+  every run of a stack with two or more runs used in turn as its only calibration, and for each
+  miss the mechanism (:data:`PAIR_MECHANISMS`) whose computed size moves it towards the figure;
 * :func:`predict`: the step model's figure for a run, in the published figure's own kind;
 * :func:`search_rank`: where ``perf.search_layouts`` puts the published layout;
 * :func:`table`: the markdown table the chapter and the lab print.
@@ -19,8 +23,9 @@ predicts every run's throughput; this module holds the data and the arithmetic o
 It lives in the course room (``labkit/course/``) because it imports ``labkit.perf``, an
 exercise module, which no tool may import (ARCHITECTURE.md, ``tests/test_layout.py``); lab
 scripts and tests may import the course. Importing it calls nothing of the learner's: only
-:func:`predict`, :func:`fit_efficiency`, :func:`evaluate` and :func:`search_rank` run
-``perf.step_time`` / ``perf.search_layouts``.
+:func:`predict`, :func:`predict_with`, :func:`calibrate_on`, :func:`fit_efficiency`,
+:func:`evaluate`, :func:`leave_one_out`, :func:`pair_corrected_error` and :func:`search_rank` run
+``perf.step_time`` / ``perf.calibrate`` / ``perf.search_layouts``.
 """
 
 from __future__ import annotations
@@ -683,8 +688,9 @@ def evaluate(runs_: list[PublishedRun] | None = None, fit: dict | None = None) -
 
 def elementwise_share(run: PublishedRun) -> float:
     """Memory-bound element-wise work (LayerNorm, GeLU, dropout, residual adds, and without flash
-    attention the softmax/dropout over the s x s scores) that perf.step_time does not time, as
-    a fraction of the matmul time of a layer: about three passes (written in forward, read in
+    attention the softmax/dropout over the s x s scores) as a fraction of the matmul time of a
+    layer, both at peak rates (perf.step_time now times this work itself, perf.elementwise_bytes;
+    kept to show the trend it removes from the efficiency): about three passes (written in forward, read in
     backward, its gradient written) over Korthikanti et al.'s activation bytes of a layer
     (labkit.budget.korthikanti_layer_bytes, 34 s b h + 5 a s^2 b without flash attention) at
     the GPU's HBM bandwidth, over the layer's matmul FLOPs (perf.flops_per_token, recompute as
@@ -693,7 +699,7 @@ def elementwise_share(run: PublishedRun) -> float:
     from labkit import budget
     m, lay = run.model, run.layout
     hw = perf.HARDWARE[run.gpu]
-    flash = lay.recompute == "selective"
+    flash = lay.flash
     per_token = budget.korthikanti_layer_bytes(m.seq, m.hidden, m.heads, flash=flash) / m.seq
     elementwise = 3 * per_token / hw.memory_bandwidth
     matmul = (perf.flops_per_token(m, lay.recompute) - 6 * m.vocab * m.hidden) / m.layers / hw.peak_flops
