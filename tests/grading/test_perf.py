@@ -121,7 +121,7 @@ PALM = dict(layers=118, hidden=18432, heads=48, head_dim=256, kv_heads=1, ffn=4 
 def test_mfu_and_hfu_on_palms_published_run():
     """PaLM (Chowdhery et al. 2022, arXiv:2204.02311): 540.35B parameters; section 4 / appendix B:
     238.3K tokens/s on 6144 TPU v4 chips, 275 TFLOP/s bf16 peak each, 46.2% MFU, 57.8% HFU."""
-    from labkit.perf import Model, hfu, mfu
+    from labkit.perf import Model, flops_per_token, hfu, mfu
     palm = Model(**PALM)
     assert round(palm.active_params() / 1e7) == 54035, f"perf.flops: PaLM 540B counts {palm.active_params()}, paper 540.35B"
     tokens, chips, peak = 238.3e3, 6144, 275e12
@@ -137,6 +137,18 @@ def test_mfu_and_hfu_on_palms_published_run():
     assert math.isclose(half, got / 2, rel_tol=1e-12), f"perf.flops: MFU at half the throughput {half} vs {got / 2}"
     assert math.isclose(mfu(tokens, palm, 2 * chips, peak), got / 2, rel_tol=1e-12), "perf.flops: MFU must divide by the chips"
     assert math.isclose(hfu(tokens, palm, chips, 2 * peak, "full"), full / 2, rel_tol=1e-12), "perf.flops: HFU must divide by the peak"
+    # Korthikanti et al.'s convention: selective recomputation counts the whole attention term again (12 L a d s)
+    attention = 12 * 118 * 48 * 256 * 2048
+    for r in ("none", "selective", "full"):
+        theirs = hfu(tokens, palm, chips, peak, r, convention="korthikanti")
+        extra = attention if r == "selective" else 0
+        want = tokens * (flops_per_token(palm, "none" if r == "selective" else r) + extra) / (chips * peak)
+        assert math.isclose(theirs, want, rel_tol=1e-12), \
+            f"perf.flops: HFU(korthikanti, {r}) {theirs:.6f}, expected {want:.6f} (selective: + 12 L a d s)"
+        assert math.isclose(hfu(tokens, palm, chips, peak, r, "palm"), hfu(tokens, palm, chips, peak, r), rel_tol=0), \
+            "perf.flops: convention='palm' is the default"
+    with pytest.raises(ValueError):
+        hfu(tokens, palm, chips, peak, "selective", convention="megatron")
     assert math.isclose(full / got, 1 + (2 * (palm.active_params() - palm.vocab * palm.hidden) + 4 * 118 * 48 * 256 * 2048)
                         / (6 * palm.active_params() + 12 * 118 * 48 * 256 * 2048), rel_tol=1e-12), \
         "perf.flops: HFU(full)/MFU must be 1 + (one forward of the layers) / (model FLOPs)"
@@ -334,6 +346,9 @@ def test_hardware_rows_cite_their_figures_and_a_measured_cpu_is_classified():
         assert hw.source and f"{hw.peak_flops / 1e12:g}" in hw.source.replace(",", ""), \
             f"perf.roofline: HARDWARE[{key!r}] must cite its peak {hw.peak_flops / 1e12:g} TFLOP/s in source"
         assert hw.achieved_flops is None or hw.achieved_flops < hw.peak_flops, f"perf.roofline: {key}: achieved above peak"
+        if hw.fp8_flops is not None:   # FP8 doubles the dense tensor-core peak on Hopper (datasheets)
+            assert abs(hw.fp8_flops / hw.peak_flops - 2) < 0.01 and f"{hw.fp8_flops / 1e12:g}" in hw.source.replace(",", ""), \
+                f"perf.roofline: HARDWARE[{key!r}] must cite its FP8 peak {hw.fp8_flops / 1e12:g} TFLOP/s"
     # This CPU, measured: the best of a few runs of a large fp32 matmul and of a large copy.
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     x = torch.randn(4_000_000)
@@ -379,29 +394,46 @@ def test_collective_times_follow_chapter_00():
                 lat_only = collective_time(op, size, n, Link(alpha, math.inf))
                 assert math.isclose(lat_only, steps * alpha, rel_tol=1e-12), \
                     f"perf.comm: ring {op} on {n} ranks: latency term {lat_only}, expected {steps} messages x alpha"
-            # tree (chapter 00: binomial reduce + broadcast; recursive doubling/halving for AG/RS)
+            # tree: NCCL's pipelined double binary tree (latency of 2 ceil(log2 N) hops, S up and S down
+            # streamed in chunks); recursive doubling/halving for AG/RS
             rounds = math.ceil(math.log2(n))
             tree = collective_time("all_reduce", size, n, link, "tree")
-            assert math.isclose(tree, 2 * rounds * (alpha + size / bandwidth), rel_tol=1e-12), \
-                f"perf.comm: tree all_reduce of {size:g} B on {n}: {tree}, expected 2 x {rounds} rounds of alpha + S/B"
+            assert math.isclose(tree, 2 * rounds * alpha + 2 * size / bandwidth, rel_tol=1e-12), \
+                f"perf.comm: tree all_reduce of {size:g} B on {n}: {tree}, expected 2 x {rounds} alpha + 2 S/B"
             for op in ("all_gather", "reduce_scatter"):
                 got = collective_time(op, size, n, link, "tree")
                 expected = rounds * alpha + wire_bytes(op, size, n) / bandwidth
                 assert math.isclose(got, expected, rel_tol=1e-12), \
                     f"perf.comm: tree {op} of {size:g} B on {n}: {got}, expected {rounds} alpha + (N-1)/N S/B = {expected}"
-    # the crossover of chapter 00: S* = (N-1-L) alpha / ((L - (N-1)/N) beta); the tree wins below it
+    # ring = tree at S* = (N-1-L) alpha N B (ring 2(N-1) alpha + 2(N-1)/N S/B, tree 2 L alpha + 2 S/B);
+    # the tree wins below it
     for n in (8, 64, 1024):
         L = math.ceil(math.log2(n))
-        crossover = (n - 1 - L) * alpha / ((L - (n - 1) / n) / bandwidth)
+        crossover = (n - 1 - L) * alpha * n * bandwidth
         ring, tree = (collective_time("all_reduce", crossover, n, link, a) for a in ("ring", "tree"))
         assert math.isclose(ring, tree, rel_tol=1e-9), f"perf.comm: at chapter 00's S* = {crossover:g} B on {n}, ring {ring} != tree {tree}"
         assert collective_time("all_reduce", crossover / 2, n, link, "tree") < collective_time("all_reduce", crossover / 2, n, link), \
             f"perf.comm: below S* on {n} ranks the tree must win"
+    # in-network reduction (NVLS / SHARP): each rank sends S once and receives the reduced S once
+    for n in (2, 5, 8, 72):
+        for size in (8e3, 1e9):
+            got = collective_time("all_reduce", size, n, link, "nvls")
+            assert math.isclose(got, 2 * alpha + size / bandwidth, rel_tol=1e-12), \
+                f"perf.comm: nvls all_reduce of {size:g} B on {n}: {got}, expected 2 alpha + S/B"
+            for op in ("all_gather", "reduce_scatter"):
+                got = collective_time(op, size, n, link, "nvls")
+                assert math.isclose(got, alpha + (n - 1) / n * size / bandwidth, rel_tol=1e-12), \
+                    f"perf.comm: nvls {op} of {size:g} B on {n}: {got}, expected alpha + (N-1)/N S/B"
+        ring = collective_time("all_reduce", 1e9, n, Link(0.0, bandwidth))
+        assert math.isclose(collective_time("all_reduce", 1e9, n, Link(0.0, bandwidth), "nvls") / ring,
+                            n / (2 * (n - 1)), rel_tol=1e-12), "perf.comm: NVLS moves N / (2(N-1)) of a ring's bytes"
+    with pytest.raises(ValueError):
+        collective_time("all_to_all", 1e6, 4, link, "nvls")
     # send: one message, whatever the algorithm; one rank: nothing crosses a link
-    for algo in ("ring", "tree"):
+    for algo in ("ring", "tree", "nvls"):
         assert collective_time("send", 1e6, 2, link, algo) == alpha + 1e6 / bandwidth, f"perf.comm: send ({algo})"
         for op in OPS:
-            if (op, algo) != ("all_to_all", "tree"):
+            if op != "all_to_all" or algo == "ring":
                 assert collective_time(op, 1e6, 1, link, algo) == 0.0, f"perf.comm: {op} ({algo}) on one rank must take 0 s"
     with pytest.raises(ValueError):
         collective_time("all_to_all", 1e6, 4, link, "tree")
@@ -427,8 +459,11 @@ def test_group_time_picks_the_link_of_the_group():
             assert group_link(size, stride, cluster) == nvlink, \
                 f"perf.comm: a group of {size} ranks {stride} apart lies in one node of 8: NVLink, got {group_link(size, stride, cluster)}"
     for size, stride in across:
-        assert group_link(size, stride, dgx) == network, \
-            f"perf.comm: a group of {size} ranks {stride} apart crosses nodes; with rails each GPU has its own NIC"
+        nics = max(1, min(size, 8 // stride))       # the group's members in a node, each with its NIC
+        want = Link(network.alpha, min(nics * network.bandwidth, nvlink.bandwidth))
+        assert group_link(size, stride, dgx) == want, (
+            f"perf.comm: a group of {size} ranks {stride} apart crosses nodes; with rails NCCL runs one channel per "
+            f"NIC over the {nics} member(s) of a node: {want}, got {group_link(size, stride, dgx)}")
         sharers = min(stride, 8)
         assert group_link(size, stride, no_rails) == Link(network.alpha, network.bandwidth / sharers), (
             f"perf.comm: without rails, a group of {size} ranks {stride} apart: {sharers} GPUs of a node cross at once "
@@ -436,11 +471,17 @@ def test_group_time_picks_the_link_of_the_group():
     # group_time is collective_time over that link, for every op
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send"):
         for size, stride, cluster, link in ((8, 1, dgx, nvlink), (4, 8, dgx, network),
+                                            (16, 1, dgx, Link(network.alpha, min(8 * network.bandwidth, nvlink.bandwidth))),
+                                            (6, 2, dgx, Link(network.alpha, 4 * network.bandwidth)),
                                             (4, 8, no_rails, Link(network.alpha, network.bandwidth / 8)),
                                             (16, 1, no_rails, network)):
             got = group_time(op, 1e8, size, stride, cluster)
             assert got == collective_time(op, 1e8, size, link), \
                 f"perf.comm: group_time({op}, size {size}, stride {stride}, rails={cluster.rails}) {got} != collective_time on {link}"
+    # NICs faster in sum than NVLink feeds them: the hop runs at NVLink's bandwidth
+    fat = replace(dgx, network=Link(network.alpha, 100e9))
+    assert group_link(16, 1, fat) == Link(network.alpha, nvlink.bandwidth), \
+        f"perf.comm: 8 NICs of 100 GB/s behind NVLink at {nvlink.bandwidth:g} B/s: got {group_link(16, 1, fat)}"
     assert group_time("all_reduce", 1e8, 4, 8, dgx, "tree") == collective_time("all_reduce", 1e8, 4, network, "tree")
     assert group_time("all_reduce", 1e8, 1, 8, dgx) == 0.0, "perf.comm: a group of one rank sends nothing"
     # a 4-GPU node: DP over 2 nodes of TP=4 crosses; TP=2 x CP=2 stays inside
@@ -522,7 +563,7 @@ def _schedule(kind, p, m, v):
 
 
 def _terms(st):
-    return st.compute + st.recompute + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm + st.bubble + st.dp_exposed
+    return st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm + st.bubble + st.dp_exposed
 
 
 @task("perf.step", points=3)
@@ -542,7 +583,7 @@ def test_step_pipeline_matches_a_simulation_of_the_schedule():
             where = f"perf.step: {layout}, m={m}"
             st = step_time(model, layout, cluster, global_batch=m * b)
             assert st.microbatches == m, f"{where}: microbatches={st.microbatches}, expected {m}"
-            per_mb = (st.compute + st.recompute + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+            per_mb = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
             timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
             _close(st.total, timeline.makespan, f"{where}: step time vs the simulated makespan")
             _close(st.bubble / st.total, timeline.bubble(), f"{where}: bubble fraction vs the simulation's idle share")
@@ -606,7 +647,9 @@ def test_step_communication_terms_on_the_right_links():
             if 4 % (size * stride) == 0:
                 return nv
             from labkit.perf import Link
-            return net if rails else Link(net.alpha, net.bandwidth / min(stride, 4))
+            if rails:   # one NIC per member of the group in a node
+                return Link(net.alpha, min(max(1, min(size, 4 // stride)) * net.bandwidth, nv.bandwidth))
+            return Link(net.alpha, net.bandwidth / min(stride, 4))
         for model in (_dense(), _moe()):
             for layout in [Layout(tp=2, zero=0), Layout(tp=8, recompute="full"), Layout(tp=4, pp=2, microbatch=2),
                            Layout(dp=2, tp=2, cp=2, recompute="selective"), Layout(tp=2, cp=4, recompute="full"),
@@ -647,7 +690,7 @@ def test_step_data_parallel_bytes_and_overlap():
     all-gather, 3 per micro-batch two all-gathers and a reduce-scatter; exposed = what backward
     (ZeRO-0), backward + the first forward (1, 2), or every micro-batch (3) does not hide, with
     both branches reached: a slow network exposes part, a fast one hides all."""
-    from labkit.perf import Layout, collective_time, parameters_per_gpu, step_time
+    from labkit.perf import Layout, Link, collective_time, parameters_per_gpu, step_time
     model = _dense()
     m = 4
     for zero in (0, 1, 2, 3):
@@ -663,7 +706,9 @@ def test_step_data_parallel_bytes_and_overlap():
                 size = layout.dp * layout.cp
                 # the group of ranks sharing these weights: along dp (stride tp cp pp) and cp (stride tp)
                 stride = layout.tp * layout.cp * layout.pp if layout.dp > 1 else layout.tp
-                net = cluster.nvlink if 4 % (size * stride) == 0 else cluster.network
+                net = cluster.nvlink if 4 % (size * stride) == 0 else Link(
+                    cluster.network.alpha, min(max(1, min(size, 4 // stride)) * cluster.network.bandwidth,
+                                               cluster.nvlink.bandwidth))
                 ar = collective_time("all_reduce", 2 * dense, size, net)
                 want = {0: ar, 1: ar, 2: ar, 3: 1.5 * m * ar}[zero]
                 _close(st.dp_comm, want, f"{where}: dp_comm")
@@ -677,7 +722,10 @@ def test_step_data_parallel_bytes_and_overlap():
     moe, cluster = _moe(), _cluster()
 
     def link(size, stride):
-        return cluster.nvlink if 4 % (size * stride) == 0 else cluster.network
+        if 4 % (size * stride) == 0:
+            return cluster.nvlink
+        nics = max(1, min(size, 4 // stride))
+        return Link(cluster.network.alpha, min(nics * cluster.network.bandwidth, cluster.nvlink.bandwidth))
     for layout in (Layout(dp=8, ep=2, zero=0), Layout(dp=4, ep=2, cp=2, zero=1), Layout(dp=8, ep=8, zero=2),
                    Layout(dp=2, ep=2, cp=2, tp=2, zero=1), Layout(dp=4, ep=2, pp=2, zero=0)):
         st = step_time(moe, layout, cluster, 8 * layout.dp)
@@ -803,6 +851,106 @@ def test_step_tp_traffic_equals_traced_sequence_parallel_block():
 
 
 @task("perf.step", points=2)
+def test_step_elementwise_roofline_and_flash():
+    """Memory-bound work priced by the roofline: per micro-batch, 3 passes (4 with full
+    recomputation) over Korthikanti's bytes of the rank's layers (s/cp queries, split over tp,
+    scores unless flash) at the achieved HBM bandwidth (the datasheet's when None); flash
+    attention drops the scores from memory and adds attention's forward to the recomputation
+    unless selective recomputation already runs it."""
+    from labkit import budget
+    from labkit.perf import Hardware, Layout, flops_per_token, layers_on_rank, memory_per_gpu, step_time
+    model = _dense()
+    for achieved_bw in (None, 4e11):
+        cluster = _cluster()
+        cluster = replace(cluster, gpu=replace(cluster.gpu, achieved_bandwidth=achieved_bw))
+        bandwidth = achieved_bw or cluster.gpu.memory_bandwidth
+        for layout in (Layout(), Layout(tp=2, microbatch=2), Layout(cp=2, recompute="full", flash=True),
+                       Layout(pp=2, tp=2, recompute="selective"), Layout(dp=2, tp=4, flash=True),
+                       Layout(pp=2, cp=2, recompute="full"), Layout(tp=2, recompute="selective", flash=True)):
+            m = 4
+            batch = m * layout.dp * layout.microbatch
+            st = step_time(model, layout, cluster, batch)
+            where = f"perf.step: {layout}, achieved bandwidth {achieved_bw}"
+            layers = layers_on_rank(model, layout, 0)[0]
+            passes = 4 if layout.recompute == "full" else 3
+            per_layer = budget.korthikanti_layer_bytes(model.seq, model.hidden, model.heads, layout.microbatch,
+                                                       layout.tp, layout.cp, flash=layout.flash)
+            _close(st.elementwise, m * passes * layers * per_layer / bandwidth, f"{where}: elementwise")
+            _close(_terms(st), st.total, f"{where}: total vs the sum of its terms")
+            extra = flops_per_token(model, layout.recompute) - flops_per_token(model)
+            if layout.flash and layout.recompute != "selective":
+                extra += flops_per_token(model, "selective") - flops_per_token(model)
+            rate = cluster.gpu.achieved_flops
+            _close(st.recompute, extra * batch * model.seq / (layout.gpus * rate), f"{where}: recompute (flash)")
+            plain = memory_per_gpu(model, replace(layout, flash=False), batch)["activations"]
+            fused = memory_per_gpu(model, replace(layout, flash=True), batch)["activations"]
+            if layout.recompute == "none":
+                want = budget.korthikanti_activation_bytes(layers, model.seq, model.hidden, model.heads,
+                                                           micro=layout.microbatch, tp=layout.tp, cp=layout.cp,
+                                                           held=1, flash=True)
+                _close(fused, want + (4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
+                                      if layout.pp == 1 else 0.0), f"{where}: flash activations")
+                assert fused < plain, f"{where}: flash attention must drop the s x s scores ({fused} vs {plain})"
+    # flash alone costs what selective recomputation costs (its backward recomputes the scores)
+    a = step_time(model, Layout(flash=True), _cluster(), 4)
+    b = step_time(model, Layout(recompute="selective"), _cluster(), 4)
+    _close(a.recompute, b.recompute, "perf.step: flash's recomputation vs selective's")
+
+
+@task("perf.step", points=1)
+def test_step_fp32_gradients_bytes_and_memory():
+    """Layout(grad_bytes=4): gradients accumulated and reduced in fp32 (Megatron with bf16,
+    Llama 3): the gradient reduction moves 4 bytes a parameter (the weights' all-gather still 2),
+    and the gradients take 4 bytes a parameter of memory (18 B unsharded; 6 + 12/d with ZeRO-1)."""
+    from labkit.perf import Layout, Link, collective_time, memory_per_gpu, parameters_per_gpu, step_time
+    model, cluster, m = _dense(), _cluster(network=(20e-6, 1e9)), 4
+    for zero in (0, 1, 2, 3):
+        for base in (Layout(dp=8, zero=zero), Layout(dp=2, tp=2, pp=2, zero=zero, microbatch=2)):
+            layout = replace(base, grad_bytes=4)
+            batch = m * layout.dp * layout.microbatch
+            st, st16 = step_time(model, layout, cluster, batch), step_time(model, base, cluster, batch)
+            where = f"perf.step: {layout}"
+            dense = max(parameters_per_gpu(model, layout, r)[0] for r in range(layout.pp))
+            size, stride = layout.dp, layout.tp * layout.cp * layout.pp
+            net = cluster.nvlink if 4 % (size * stride) == 0 else Link(
+                cluster.network.alpha, min(max(1, min(size, 4 // stride)) * cluster.network.bandwidth,
+                                           cluster.nvlink.bandwidth))
+            rs, ag = (collective_time(op, b * dense, size, net) for op, b in (("reduce_scatter", 4), ("all_gather", 2)))
+            want = {0: collective_time("all_reduce", 4 * dense, size, net), 1: rs + ag, 2: rs + ag,
+                    3: m * (2 * ag + rs)}[zero]
+            _close(st.dp_comm, want, f"{where}: dp_comm with fp32 gradients")
+            assert st.dp_comm > st16.dp_comm, f"{where}: fp32 gradients must cost more than 16-bit ones"
+            mem, mem16 = memory_per_gpu(model, layout, batch), memory_per_gpu(model, base, batch)
+            _close(mem["grads"], 2 * mem16["grads"], f"{where}: fp32 gradient memory (twice the 16-bit)")
+            _close(mem["params"], mem16["params"], f"{where}: the weights stay 16-bit")
+            _close(mem["optimizer"], mem16["optimizer"], f"{where}: the optimizer state is unchanged")
+    with pytest.raises(ValueError):
+        step_time(model, Layout(grad_bytes=3), cluster, 4)
+
+
+@task("perf.step", points=1)
+def test_step_tp_overlap_exposes_only_the_excess():
+    """Layout(tp_overlap=True): the TP/SP collectives run behind the micro-batch's matmuls
+    (collective matmul, async TP); per micro-batch only max(0, TP time - (compute + recompute))
+    is on the critical path, in both regimes (a slow NVLink exposes part, a fast one none)."""
+    from labkit.perf import Layout, step_time
+    model, m = _dense(), 4
+    for nvlink, exposed in (((2e-6, 2e8), True), ((0.0, 1e15), False)):
+        cluster = _cluster(nvlink=nvlink)
+        for base in (Layout(tp=2), Layout(tp=4, recompute="full", microbatch=2), Layout(tp=2, pp=2, flash=True),
+                     Layout(dp=2, tp=2, recompute="selective")):
+            layout = replace(base, tp_overlap=True)
+            batch = m * layout.dp * layout.microbatch
+            plain, st = step_time(model, base, cluster, batch), step_time(model, layout, cluster, batch)
+            where = f"perf.step: {layout}, NVLink {nvlink}"
+            want = m * max(0.0, plain.tp_comm / m - (plain.compute + plain.recompute) / m)
+            _close(st.tp_comm, want, f"{where}: exposed tp_comm")
+            _close(_terms(st), st.total, f"{where}: total vs the sum of its terms")
+            assert (st.tp_comm > 0) == exposed, f"{where}: tp_comm {st.tp_comm:.3g} s; expected " + \
+                ("part of it exposed" if exposed else "all of it hidden")
+
+
+@task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks
     differ by at most one layer, every layer sits on exactly one rank, and the fullest rank
@@ -833,7 +981,7 @@ def test_step_uneven_stages():
                    f"{where}: compute of the fullest rank ({fullest} layers)")
             act = model.seq * layout.microbatch * model.hidden * 2
             _close(st.tp_comm, m * fullest * 4 * collective_time("all_reduce", act, 2, cluster.nvlink), f"{where}: tp_comm")
-            per_mb = (st.compute + st.recompute + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+            per_mb = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
             timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
             _close(st.total, timeline.makespan, f"{where}: step vs the simulated makespan at the fullest rank's pace")
             held = timeline.peak_in_flight[0] / v
