@@ -113,39 +113,65 @@ def biased_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, bias: torch
 
 
 class BiasBalancer:
-    """The per-expert routing bias of auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437,
-    section 2.1.2). ``bias`` [E] float32 starts at 0. After each step, ``update(expert_counts)``
-    with the [E] counts of this rank's choices (T x k, before any capacity drop): the counts
-    are summed (all-reduced) over ``group`` (None = the world), the global load, so the bias
-    stays identical on every rank of the group; then
+    """The per-expert routing bias of auxiliary-loss-free balancing (Wang et al., 2024,
+    arXiv:2408.15664; DeepSeek-V3, arXiv:2412.19437, section 2.1.2). ``bias`` [E] float32 starts
+    at 0; ``counts`` [E] int64 holds this rank's choices (T x k per routing, before any capacity
+    drop) since the last update. Routing and updating are separate, as in DeepSeek-V3 (the bias
+    is adjusted at the end of each step) and Megatron-Core (tokens per expert accumulated over
+    the global batch, one update in ``finalize_model_grads``):
 
-        bias_e += gamma * sign(mean_e load - load_e)
+    * ``route(x, gate_weight, k)`` routes with the current bias and, only while autograd records
+      (``torch.is_grad_enabled()``, Megatron-Core's rule), adds its choices to ``counts`` with
+      ``count``. It communicates nothing and never changes the bias: every micro-batch of a step
+      routes with the same bias, and so does the recomputation of a checkpointed layer (an
+      update between forward and recompute would choose other experts in backward than in
+      forward: wrong gradients). An evaluation forward under ``no_grad`` counts nothing; under
+      reentrant checkpointing (this course's ``recompute.Checkpoint``,
+      ``torch.utils.checkpoint(use_reentrant=True)``) the forward runs without grad and the
+      recompute with it, so each token is counted once.
+    * ``update()`` once per step, after the last micro-batch's backward: the counts summed
+      (all-reduced) over ``group`` (None = the world; Megatron-Core: the whole data x tensor x
+      context-parallel group), the global load, so the bias stays identical on every rank; then
 
-    raised for an under-loaded expert, lowered for an over-loaded one, unchanged at the mean
-    (sign 0). ``route(x, gate_weight, k)`` routes one step with the current bias, then updates
-    it with that step's choices (the bias of step s comes from steps 1 ... s-1)."""
+          bias_e += gamma * sign(mean_e load - load_e)
+
+      raised for an under-loaded expert, lowered for an over-loaded one, unchanged at the mean
+      (sign 0); ``counts`` back to 0. The bias of step s comes from steps 1 ... s-1.
+
+    ``gamma`` is the bias update speed, in units of the router's scores (here softmax
+    probabilities, about 1/E each): DeepSeek-V3 uses 0.001 on sigmoid affinities."""
 
     def __init__(self, num_experts: int, gamma: float = 1e-3, group=None):
         self.num_experts, self.gamma, self.group = num_experts, gamma, group
         self.bias = torch.zeros(num_experts, dtype=torch.float32)
+        self.counts = torch.zeros(num_experts, dtype=torch.int64)
 
-    def update(self, expert_counts: torch.Tensor) -> torch.Tensor:
-        """One step's update from this rank's [E] counts (one all-reduce of E int64s over the
-        group). Updates ``self.bias`` in place and returns it."""
-        # BEGIN SOLUTION moe.bias_balance: int64 copy of the counts, all_reduce over self.group, bias += gamma * sign(load.mean() - load) (float32)
-        load = expert_counts.to(torch.int64).clone()  # a copy: the caller's counts stay as they were
+    def count(self, experts: torch.Tensor) -> None:
+        """Adds the choices in ``experts`` (int64, any shape, e.g. [T, k]) to ``self.counts`` (in
+        place). No communication."""
+        # BEGIN SOLUTION moe.bias_balance: counts += bincount of the flattened experts (minlength E)
+        self.counts += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        # END SOLUTION
+
+    def update(self) -> torch.Tensor:
+        """The end of a step: ``counts`` summed over the group (one all-reduce of E int64s), the
+        bias moved by gamma * sign(mean - load) (in place), ``counts`` zeroed. Returns ``bias``."""
+        # BEGIN SOLUTION moe.bias_balance: copy of self.counts, all_reduce over self.group, bias += gamma * sign(load.mean() - load) (float32); zero self.counts
+        load = self.counts.clone()  # a copy: all_reduce writes its argument
         dist.all_reduce(load, group=self.group)
         load = load.to(torch.float32)
         self.bias += self.gamma * torch.sign(load.mean() - load)
+        self.counts.zero_()
         return self.bias
         # END SOLUTION
 
     def route(self, x: torch.Tensor, gate_weight: torch.Tensor, k: int):
-        """``route(x, gate_weight, k, bias=self.bias)``, then ``update`` with the bincount of the
-        chosen experts (minlength E). Returns route's four outputs."""
-        # BEGIN SOLUTION moe.bias_balance: route with the current bias first, then update with the bincount of its experts
+        """``route(x, gate_weight, k, bias=self.bias)``; its experts counted (``count``) when grad
+        is enabled. The bias is not changed. Returns route's four outputs."""
+        # BEGIN SOLUTION moe.bias_balance: route with the current bias; if torch.is_grad_enabled(), count its experts; no update here
         out = route(x, gate_weight, k, bias=self.bias)
-        self.update(torch.bincount(out[0].reshape(-1), minlength=self.num_experts))
+        if torch.is_grad_enabled():
+            self.count(out[0])
         return out
         # END SOLUTION
 

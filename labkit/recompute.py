@@ -484,26 +484,35 @@ class OffloadedAdamW:
 
 # ----------------------------------------------------------------------------- accumulation
 
-def accumulate(model: nn.Module, micro_batches, loss_fn, group=None) -> torch.Tensor:
+def accumulate(model: nn.Module, micro_batches, loss_fn, group=None, ignore_index: int = -100) -> torch.Tensor:
     """Forward and backward of every micro-batch in ``micro_batches`` (a list of (x, y)), one at
-    a time. ``loss_fn(model, x, y)`` is the mean loss over the micro-batch's tokens, and a
-    micro-batch holds ``y.numel()`` of them; micro-batches may differ in size, so each loss is
-    weighted by its share of this rank's tokens, ``y.numel() / T`` (with equal sizes, 1/m). The
-    gradient left is that of the mean over every token of this rank's micro-batches, as one
-    batch of them all would give. Then, when ``group`` (default: every rank) has N > 1 ranks,
-    one all-reduce per parameter gradient over ``group`` (SUM, then / N: gloo has no AVG): the
-    ranks' gradients averaged, each rank weighing the same (as DDP does, whatever its token
-    count). Parameters without a gradient (frozen, or unused in the forward) are left alone.
-    Returns this rank's token-weighted mean loss (detached)."""
+    a time. ``loss_fn(model, x, y)`` is the mean loss over the micro-batch's *counted* targets,
+    those of ``y`` that are not ``ignore_index`` (``F.cross_entropy``'s mean: padding is not in
+    it). A micro-batch holds c_i = ``(y != ignore_index).sum()`` of them, not ``y.numel()``;
+    micro-batches may differ in length and in padding, so each loss is weighted by its share
+    c_i / C of this rank's C counted targets (with equal, unpadded sizes, 1/m). The gradient
+    left is that of the mean over every counted target of this rank's micro-batches, as one
+    batch of them all would give. A micro-batch with no counted target is skipped (its mean is
+    0/0; it weighs 0); a rank with none at all raises ValueError before anything runs.
+    Then, when ``group`` (default: every rank) has N > 1 ranks, one all-reduce per parameter
+    gradient over ``group`` (SUM, then / N: gloo has no AVG): the ranks' gradients averaged,
+    each rank weighing the same (as DDP does, whatever its token count). Parameters without a
+    gradient (frozen, or unused in the forward) are left alone. Returns this rank's
+    token-weighted mean loss (detached). Writes the parameters' ``.grad`` (accumulates)."""
     m = len(micro_batches)
     if m < 1:
         raise ValueError("recompute: accumulate needs at least one micro-batch")
     n = dist.get_world_size(group) if dist.is_initialized() else 1
-    tokens = sum(y.numel() for _, y in micro_batches)
+    counted = [int((y != ignore_index).sum()) for _, y in micro_batches]
+    tokens = sum(counted)
+    if tokens == 0:
+        raise ValueError(f"recompute: accumulate got no target that is not ignore_index={ignore_index}")
     total = torch.zeros(())
-    # BEGIN SOLUTION recompute.accumulate: backward of loss x (its tokens / all tokens) per micro-batch (nothing communicated); after the last, all_reduce each parameter's grad over group and divide by N
-    for x, y in micro_batches:
-        loss = loss_fn(model, x, y) * (y.numel() / tokens)
+    # BEGIN SOLUTION recompute.accumulate: backward of loss x (its counted targets / all counted targets) per micro-batch with any (nothing communicated); after the last, all_reduce each parameter's grad over group and divide by N
+    for (x, y), count in zip(micro_batches, counted):
+        if count == 0:
+            continue
+        loss = loss_fn(model, x, y) * (count / tokens)
         loss.backward()
         total = total + loss.detach()
     if n > 1:

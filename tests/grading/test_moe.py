@@ -62,16 +62,22 @@ bias that changes some tokens' choice (checked): the experts are the top-k of pr
 float32, highest biased score first; the weights the *unbiased* probabilities of those
 experts (renormalised for k >= 2, not for k = 1) against a float64 reference; logits and
 probs; dtypes; the gate's gradient of a task loss is the reference's (the bias never enters
-a weight) and the bias gets none. ``BiasBalancer.update`` with gamma = 0.01 (not the
-default) over 4 steps of counts built so that the group's load has ties with its mean (sign
-0), differences larger than 1 (sign, not difference) and a rank's own counts of another sign
-pattern than the group's, against a loop in the test: the bias after each step, float32, the
-same tensor returned, the caller's counts unchanged, bitwise identical on every rank of the group, one all-reduce of E
-int64 in the group per update; on the world and the subgroups (N = 3: {0, 1} with rank 2 a
-bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}). ``BiasBalancer.route`` on a
-skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens, against the
-loop: step s's experts chosen with the bias of steps 1 ... s-1, then the bias updated with
-the group's choices.
+a weight) and the bias gets none. ``BiasBalancer.count`` then ``update()`` with gamma = 0.01
+(not the default) over 4 steps of counts built so that the group's load has ties with its
+mean (sign 0), differences larger than 1 (sign, not difference) and a rank's own counts of
+another sign pattern than the group's, against a loop in the test: counts added over two
+routings ([T, 2] and [T, 1]) with nothing communicated, then the bias after each update,
+float32, the same tensor returned, the counts zeroed, bitwise identical on every rank of the
+group, one all-reduce of E int64 in the group per update; on the world and the subgroups
+(N = 3: {0, 1} with rank 2 a bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}).
+``BiasBalancer.route`` in a training loop (issue 42: the bias used to move at every call) on a
+skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens: per step three
+micro-batches of 13, 7 and 10 tokens, the first through ``torch.utils.checkpoint`` (reentrant:
+its routing runs again in backward), each loss scaled before backward, and an evaluation
+routing under no_grad; every routing of the step (recompute and evaluation included) chooses
+with the bias of steps 1 ... s-1, the gate's gradient summed over the micro-batches is the
+reference's, ``counts`` hold each micro-batch once, nothing is communicated before
+``update()``, which is one all-reduce and moves the bias by the group's load of the whole step.
 
 moe.shared_overlap: shared experts (DeepSeekMoE) computed while the all-to-alls are in flight.
 ``AllToAllOverlap`` on its own, on the world and the subgroups, in the four dtypes, with uneven
@@ -724,60 +730,136 @@ def bias_balance_on_rank() -> None:
         if rank not in members:
             continue
         m, me = len(members), members.index(rank)
-        # update against a loop
-        what = f"moe.bias_balance: BiasBalancer.update on rank {rank}, {group_name}, gamma={B_GAMMA}"
+        # update against a loop: the counts arrive through count(), the update is one all-reduce
+        what = f"moe.bias_balance: BiasBalancer.count/update on rank {rank}, {group_name}, gamma={B_GAMMA}"
         balancer = BiasBalancer(B_EXPERTS, gamma=B_GAMMA, group=group)
+        assert balancer.counts.dtype == torch.int64 and torch.equal(balancer.counts, torch.zeros(B_EXPERTS, dtype=torch.int64)), \
+            f"{what}: counts must start as int64 zeros [E], got {balancer.counts}"
         ref, differ = torch.zeros(B_EXPERTS), 0
         for step in range(len(B_LOADS)):
             counts = bias_counts(step, me, m)
             local, glob = counts.double(), torch.tensor(B_LOADS[step], dtype=torch.float64)
             differ += not torch.equal(torch.sign(local.mean() - local), torch.sign(glob.mean() - glob))
-            before = counts.clone()
-            with CommTracer() as tracer:
-                got = balancer.update(counts)
-            assert torch.equal(counts, before), \
-                f"{what}, step {step + 1}: update must leave the caller's counts as they were, got {counts.tolist()} from {before.tolist()}"
-            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
+            # this rank's choices as two [T, k] routings (k = 1 and k = 2), shuffled: counts add up
+            chosen = torch.repeat_interleave(torch.arange(B_EXPERTS), counts)
+            chosen = chosen[torch.randperm(chosen.numel(), generator=torch.Generator().manual_seed(step))]
+            half = chosen.numel() // 4 * 2  # an even share as [T, 2], the rest as [T, 1]
             where = f"{what}, step {step + 1}, group load {B_LOADS[step]}, my counts {counts.tolist()}"
+            with CommTracer() as tracer:
+                balancer.count(chosen[:half].reshape(-1, 2))
+                balancer.count(chosen[half:].reshape(-1, 1))
+            assert_ops(tracer, [], where + ": count communicates nothing")
+            assert torch.equal(balancer.counts, counts), \
+                f"{where}: counts after count() of this rank's choices: got {balancer.counts.tolist()}, want {counts.tolist()}"
+            with CommTracer() as tracer:
+                got = balancer.update()
+            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
             assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
             assert balancer.bias.dtype == torch.float32 and balancer.bias.shape == (B_EXPERTS,), \
                 f"{where}: bias must be float32 [E], got {balancer.bias.dtype} {tuple(balancer.bias.shape)}"
             assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over the group",
                          rtol=0, atol=1e-6)
+            assert torch.equal(balancer.counts, torch.zeros_like(counts)), \
+                f"{where}: update must zero the counts for the next step, got {balancer.counts.tolist()}"
             assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)],
                             where + f" (one all-reduce of the E int64 counts in group {members})")
             every = [torch.empty_like(balancer.bias) for _ in members]
             dist.all_gather(every, balancer.bias.clone(), group=group)
             assert all(torch.equal(b, balancer.bias) for b in every), f"{where}: the bias differs between ranks of the group"
         assert m == 1 or differ >= 2, f"test set-up: rank {rank}'s own counts should differ in sign from the group's, {differ} steps"
-        # route with the balancer over steps: route first, then update with the group's choices
         for k in (1, 2, 3):
-            what = f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}, gamma=0.05, skewed gate"
-            balancer = BiasBalancer(B_EXPERTS, gamma=0.05, group=group)
-            gen = torch.Generator().manual_seed(7000 + k)
-            gate = torch.randn(B_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
-            gate[0] += 1.5 / math.sqrt(R_HIDDEN)  # mildly skewed towards expert 0 (no probability rounds away next to the bias)
-            ref, changed = torch.zeros(B_EXPERTS), False
-            for step in range(4):
-                xs = [0.5 * torch.randn(R_TOKENS, R_HIDDEN, generator=torch.Generator().manual_seed(100 * step + j),
-                                        dtype=torch.float64) for j in range(m)]
-                experts, weights, _, _ = balancer.route(xs[me], gate, k)
-                picks = []
-                for j in range(m):
-                    p = ref_softmax(xs[j] @ gate.t())
-                    biased = torch.sort(p.float() + ref, dim=1, descending=True, stable=True)
-                    assert (biased.values[:, k - 1] - biased.values[:, k] > 1e-5).all(), "test set-up: no near tie at the k-th choice"
-                    picks.append(biased.indices[:, :k])
-                    changed |= not torch.equal(picks[-1], p.argsort(dim=1, descending=True, stable=True)[:, :k])
-                where = f"{what}, step {step + 1}"
-                assert torch.equal(experts, picks[me]), \
-                    f"{where}: experts must be chosen with the bias of the earlier steps\n got {experts.tolist()}\n want {picks[me].tolist()}"
-                near(weights, ref_weights(gate, xs[me], experts, k), where + ": weights (unbiased)")
-                load = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for t in picks)
-                ref = ref_bias_step(ref, load, 0.05)
-                assert_close(balancer.bias, ref, where + f": bias after the update with the group's load {load.tolist()}",
-                             rtol=0, atol=1e-6)
-            assert changed, "test set-up: the bias should change some choices"
+            balancer_steps(balancer_cls=BiasBalancer, group=group, members=members, me=me, k=k,
+                           what=f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}")
+
+
+MICRO_TOKENS = (13, 7, 10)  # tokens of each micro-batch of a step: different lengths
+
+
+def clear_tokens(t: int, gate64, bias, k: int, seed: int) -> torch.Tensor:
+    """t tokens [t, H] float64 whose k-th and (k+1)-th biased scores are at least 1e-4 apart
+    (drawn, near ties dropped): a float32 rounding cannot swap a choice."""
+    pool = 0.5 * torch.randn(8 * t, R_HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    scores = torch.sort(ref_softmax(pool @ gate64.t()).float() + bias, dim=1, descending=True).values
+    clear = pool[scores[:, k - 1] - scores[:, k] > 1e-4]
+    assert clear.shape[0] >= t, "test set-up: too few tokens without a near tie"
+    return clear[:t]
+
+
+def balancer_steps(balancer_cls, group, members, me, k, what) -> None:
+    """``BiasBalancer.route`` in a training loop as DeepSeek-V3 and Megatron-Core run it: per
+    step three micro-batches of different lengths, the first through a reentrant checkpoint
+    (its routing recomputed in backward), the others plain, a loss scaled by a random incoming
+    gradient, and an evaluation routing under no_grad; ``update()`` after the last backward.
+    Against a float64 loop: every routing of the step (forward, recompute, evaluation) chooses
+    with the bias of the earlier steps; the gate's gradient is the reference's (the recompute
+    chose the forward's experts); ``counts`` before the update hold each micro-batch's choices
+    once (the recompute and the evaluation not again); nothing is communicated until the
+    update, which is one all-reduce of E int64s in the group."""
+    from torch.utils.checkpoint import checkpoint
+    m = len(members)
+    balancer = balancer_cls(B_EXPERTS, gamma=0.05, group=group)
+    gen = torch.Generator().manual_seed(7000 + k)
+    gate64 = torch.randn(B_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
+    gate64[0] += 1.5 / math.sqrt(R_HIDDEN)  # mildly skewed towards expert 0 (no probability rounds away next to the bias)
+    gate = gate64.clone().requires_grad_(True)
+    ref, changed = torch.zeros(B_EXPERTS), False
+    for step in range(4):
+        where = f"{what}, step {step + 1}"
+        xs = [[clear_tokens(t, gate64, ref, k, seed=1000 * step + 10 * j + i) for i, t in enumerate(MICRO_TOKENS)]
+              for j in range(m)]
+        picks = []
+        for j in range(m):  # the reference's choices: every micro-batch with the bias of the earlier steps
+            mine = []
+            for x in xs[j]:
+                p = ref_softmax(x @ gate64.t())
+                biased = torch.sort(p.float() + ref, dim=1, descending=True, stable=True)
+                assert (biased.values[:, k - 1] - biased.values[:, k] > 1e-5).all(), "test set-up: no near tie at the k-th choice"
+                mine.append(biased.indices[:, :k])
+                changed |= not torch.equal(mine[-1], p.argsort(dim=1, descending=True, stable=True)[:, :k])
+            picks.append(mine)
+        gate.grad = None
+        ref_grad = torch.zeros_like(gate64)
+        seen = []
+
+        def routed(x, g):
+            experts, weights, _, _ = balancer.route(x, g, k)
+            seen.append(experts.clone())
+            return weights
+
+        with CommTracer() as tracer:
+            for i, x in enumerate(xs[me]):
+                c = torch.randn(x.shape[0], k, generator=torch.Generator().manual_seed(50 + i), dtype=torch.float64)
+                scale = 0.5 + i  # a loss scaled before backward
+                x = x.clone().requires_grad_(True)
+                weights = checkpoint(routed, x, gate, use_reentrant=True) if i == 0 else routed(x, gate)
+                ((weights * c).sum() * scale).backward()
+                g = gate64.clone().requires_grad_(True)
+                ref_grad += torch.autograd.grad((ref_weights(g, xs[me][i], picks[me][i], k) * c).sum() * scale, g)[0]
+            with torch.no_grad():  # an evaluation forward: routes with the same bias, counts nothing
+                experts, _, _, _ = balancer.route(xs[me][1], gate, k)
+                seen.append(experts)
+        # forward of micro-batch 1 (under no_grad), its recompute in its backward, 2, 3, the evaluation of 2
+        want = [picks[me][0], picks[me][0], picks[me][1], picks[me][2], picks[me][1]]
+        names = ["micro-batch 1 (checkpointed forward)", "micro-batch 1's recompute in backward", "micro-batch 2",
+                 "micro-batch 3", "an evaluation routing of micro-batch 2 under no_grad"]
+        assert len(seen) == len(want), f"{where}: {len(seen)} routings seen, want {len(want)}"
+        for got, exp, name in zip(seen, want, names):
+            assert torch.equal(got, exp), (f"{where}, {name}: experts must be chosen with the bias of the earlier steps "
+                                           f"(the bias changes only in update())\n got {got.tolist()}\n want {exp.tolist()}")
+        near(gate.grad, ref_grad, where + ": gate gradient over the micro-batches (the recompute must route as the forward)")
+        assert_ops(tracer, [], where + ": routing and backward communicate nothing (the update comes after the step)")
+        mine = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for t in picks[me])
+        assert torch.equal(balancer.counts, mine), (
+            f"{where}: counts before the update must hold each micro-batch's choices once (not the recompute's, not "
+            f"the evaluation's): got {balancer.counts.tolist()}, want {mine.tolist()}")
+        with CommTracer() as tracer:
+            balancer.update()
+        assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)], where + ": update is one all-reduce of E int64s")
+        load = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for mine in picks for t in mine)
+        ref = ref_bias_step(ref, load, 0.05)
+        assert_close(balancer.bias, ref, where + f": bias after the update with the group's load {load.tolist()} "
+                     "(every micro-batch of every rank)", rtol=0, atol=1e-6)
+    assert changed, "test set-up: the bias should change some choices"
 
 
 # ----------------------------------------------------------------------------- shared experts, overlapped

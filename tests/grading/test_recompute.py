@@ -36,7 +36,9 @@ numbers the code under test reports. Then, per task:
   ({0,1}/{2,3}; {0,2}/{1}), m = 1, 2, 3 micro-batches, equal and unequal in size, 3 steps each,
   a frozen and an unused parameter: gradients equal to one batch of each rank's micro-batches
   (the mean over its tokens), averaged over the group's ranks; the loss returned; nothing
-  communicated before the last micro-batch, then one all-reduce per gradient over the group.
+  communicated before the last micro-batch, then one all-reduce per gradient over the group;
+  then (issue 42) micro-batches of 8, 5 and 3 tokens right-padded with ignore_index (-100 and -1),
+  one wholly padded: weights by the counted targets, not y.numel().
 """
 
 import pytest
@@ -613,6 +615,67 @@ def accumulate_on_rank() -> None:
                                                      "rank's micro-batches (mean over its tokens), ranks averaged")
                 opt.step()
                 ref_opt.step()
+    accumulate_padded(rank, n)
+
+
+ACC_SHAPES = [(2, 8, 3), (3, 5, 4), (2, 3, 3)]   # (rows, sequence length, most padded positions) per micro-batch
+
+
+def padded_batches(rank: int, step: int, ignore_index: int):
+    """Rank ``rank``'s micro-batches at ``step``: ``ACC_SHAPES``, each row's targets ending in
+    0 ... pad positions of ``ignore_index`` (right-padded sequences of other lengths); at step 1
+    rank 0's last micro-batch is padding only (it weighs 0)."""
+    out = []
+    for j, (rows, seq, pad) in enumerate(ACC_SHAPES):
+        gen = torch.Generator().manual_seed(9000 + 100 * rank + 10 * step + j)
+        x, y = tokens(rank, 20 * step + j, batch=rows, seq=seq)
+        y = y.clone()
+        for row in range(rows):
+            cut = int(torch.randint(0, pad + 1, (), generator=gen))
+            if cut:
+                y[row, seq - cut:] = ignore_index
+        out.append((x, y))
+    if rank == 0 and step == 1:
+        out[-1] = (out[-1][0], torch.full_like(out[-1][1], ignore_index))
+    return out
+
+
+def accumulate_padded(rank: int, n: int) -> None:
+    """Issue 42: padded targets. Micro-batches of different sequence lengths (8, 5, 3 tokens),
+    right-padded with ``ignore_index`` (-100, and -1 with a loss that ignores -1), one of them
+    wholly padded on rank 0 (it weighs 0), 2 steps over every rank: the gradient is that of the
+    sum of every counted target's loss over this rank's micro-batches divided by their count
+    (not by y.numel(), which counts the padding), averaged over the ranks; the loss returned."""
+    import torch.nn.functional as F
+    from labkit.models import GPT
+    from labkit.recompute import accumulate
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+    for ignore_index in (-100, -1):
+        def loss_fn(m, x, y, reduction="mean"):
+            return F.cross_entropy(m(x)[0].flatten(0, 1), y.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+        model, ref = GPT(config, seed=6).double(), GPT(config, seed=6).double()
+        for step in range(2):
+            batches = padded_batches(rank, step, ignore_index)
+            counted = [int((y != ignore_index).sum()) for _, y in batches]
+            what = (f"recompute.accumulate: rank {rank} of {n}, ignore_index={ignore_index}, step {step}, micro-batches "
+                    f"{[tuple(x.shape) for x, _ in batches]} with {counted} counted targets (the rest padding)")
+            assert sum(y.numel() for _, y in batches) > sum(counted), "test set-up: some targets should be padding"
+            model.zero_grad()
+            got = accumulate(model, batches, loss_fn, ignore_index=ignore_index)
+            # the reference: per rank, the summed loss of its counted targets / their count; ranks averaged
+            ref.zero_grad()
+            means = []
+            for r in range(n):
+                theirs = padded_batches(r, step, ignore_index)
+                count = sum(int((y != ignore_index).sum()) for _, y in theirs)
+                means.append(sum(loss_fn(ref, x, y, "sum") for x, y in theirs) / count)
+            (sum(means) / n).backward()
+            assert_close(got, means[rank].detach(), f"{what}: the loss returned vs the mean over this rank's counted targets")
+            for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+                assert_close(p.grad, r.grad, f"{what}: gradient of {name} vs the mean over each rank's counted "
+                                             "targets (weights c_i / C with c_i the targets not ignored), ranks averaged")
 
 
 # ----------------------------------------------------------------------------- optimizer offload
