@@ -102,9 +102,9 @@ MUTANTS = [
            replace="        self.host[index].append(t)\n        return (\"kept\", t)\n"),
     # recompute.accumulate
     Mutant("recompute.accumulate", "loss_not_scaled", "backward of each micro-batch's loss unscaled: gradients m times too large",
-           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),
     Mutant("recompute.accumulate", "mean_of_means", "divides each loss by m: unequal micro-batches weigh the same, not by tokens",
-           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y) / m\n"),
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n", replace="        loss = loss_fn(model, x, y) / m\n"),
     Mutant("recompute.accumulate", "world_group", "all-reduces over every rank, whatever group says",
            find="                dist.all_reduce(p.grad, group=group)\n                p.grad.div_(n)\n    # END",
            replace="                dist.all_reduce(p.grad)\n                p.grad.div_(n)\n    # END"),
@@ -117,6 +117,16 @@ MUTANTS = [
                    "                if p.grad is not None:\n"
                    "                    dist.all_reduce(p.grad, group=group)\n"
                    "                    p.grad.div_(n)\n    if False:\n"),
+    Mutant("recompute.accumulate", "weights_by_numel", "issue 42's bug: weighs each micro-batch by y.numel() / all targets, "
+           "padding included (the mean loss of each excludes it)",
+           find="        if count == 0:\n            continue\n        loss = loss_fn(model, x, y) * (count / tokens)\n",
+           replace="        loss = loss_fn(model, x, y) * (y.numel() / sum(t.numel() for _, t in micro_batches))\n"),
+    Mutant("recompute.accumulate", "numel_skipping_padding", "weighs by y.numel() over the micro-batches that have a counted "
+           "target (the empty one skipped, padding still counted)",
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n",
+           replace="        loss = loss_fn(model, x, y) * (y.numel() / sum(t.numel() for _, t in micro_batches))\n"),
+    Mutant("recompute.accumulate", "padding_only_not_skipped", "runs backward of a micro-batch of padding only: 0 x nan = nan gradients",
+           find="        if count == 0:\n            continue\n", replace=""),
     Mutant("recompute.accumulate", "no_divide_by_n", "sums the ranks' gradients without dividing by N",
            find="                p.grad.div_(n)\n", replace=""),
     # recompute.optimizer_offload
