@@ -301,8 +301,13 @@ class OffloadPool:
     handed tensors are freed once forward has offloaded them, that each layer is copied back
     once, after backward has entered the layer above it and before it enters the layer itself
     (never two layers ahead), and that the copies are freed once backward is past the layer.
-    On CUDA the copies back run on a side stream (``copy_streams``) that first waits for an event
-    after the copies to the host; each copy carries an event that the current stream waits for
+    On CUDA the copies both ways run on a side stream (``copy_streams``), so that forward's
+    copies to the host overlap the next layers' forward as backward's copies back overlap the
+    layer above (issue 42: they used to run on the current stream, serialised with compute,
+    while chapter 12's cost model counts them as hidden); the side stream waits for the current
+    one before reading a saved tensor, ``record_stream`` keeps that tensor's memory from being
+    reused before the copy has read it, and the copies back wait for an event after the copies
+    to the host; each copy back carries an event that the current stream waits for
     only when backward unpacks that tensor, and ``record_stream`` marks its memory in use there:
     so layer i - 1's transfer runs while layer i's backward computes. That CUDA path is checked
     in ``tests/test_gpu.py`` (the same gradients as without offloading, device memory freed after
@@ -329,23 +334,38 @@ class OffloadPool:
                                                       lambda handle: self._ready(self.unpack(handle))):
             yield
 
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        stream = self.copy_streams.get(device.index or 0)
+        if stream is None:
+            stream = self.copy_streams[device.index or 0] = torch.cuda.Stream(device)
+        return stream
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-        host.copy_(t, non_blocking=self.pin)
-        if t.is_cuda:  # on the current stream, in order with the forward that made t; marked done by an event
+        if not t.is_cuda:
+            return host.copy_(t)
+        # CUDA: on the side stream, so the copy to the host runs while the current stream goes on
+        # with the next layer's forward (on the current stream it would wait for it: no overlap).
+        # The side stream first waits for the current one (t must be written before it is read);
+        # record_stream tells the allocator t's memory is in use on the side stream, so it is not
+        # handed out again when autograd drops t, before the copy has read it. The event marks
+        # the copies done: the copies back (same stream, so in order anyway) wait for it.
+        stream = self._side_stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
             self._offloaded = torch.cuda.Event()
-            self._offloaded.record(torch.cuda.current_stream(t.device))
+            self._offloaded.record(stream)
+        t.record_stream(stream)
         return host
 
     def _to_device(self, t: torch.Tensor, device) -> torch.Tensor:
         device = torch.device(device)
         if device.type != "cuda":
             return t.to(device, copy=True)
-        # CUDA: on a side stream, so the copy runs while the current stream computes the layer
+        # CUDA: on the side stream, so the copy runs while the current stream computes the layer
         # above; it first waits for the copies to the host (the pinned buffer must be written)
-        stream = self.copy_streams.get(device.index or 0)
-        if stream is None:
-            stream = self.copy_streams[device.index or 0] = torch.cuda.Stream(device)
+        stream = self._side_stream(device)
         if self._offloaded is not None:
             stream.wait_event(self._offloaded)
         with torch.cuda.stream(stream):

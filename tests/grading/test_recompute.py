@@ -32,6 +32,10 @@ numbers the code under test reports. Then, per task:
   frozen parameter (not taken), an unused one (never a gradient) and one with a gradient on even
   steps only (its own step count drives its bias corrections, as torch's); fp32 master and
   moments on the host (12 bytes per trainable parameter); parameters equal to their master cast;
+  then (issue 39) on an emulated device (``Link``: device tensors that raise when mixed with
+  host ones, every host-device copy measured) with bf16, fp16 and fp32 parameters at once:
+  the bytes down and up measured each step (each gradient and each parameter once, in its
+  dtype), ``moved_bytes`` grown by exactly that;
 * accumulate: at world sizes 3 and 4 (1 a diagnostic), over every rank and over rank pairs
   ({0,1}/{2,3}; {0,2}/{1}), m = 1, 2, 3 micro-batches, equal and unequal in size, 3 steps each,
   a frozen and an unused parameter: gradients equal to one batch of each rank's micro-batches
@@ -46,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
@@ -732,6 +737,138 @@ def optimizer_offload_on_rank() -> None:
                                               f"{hyper} (each parameter's own step count)")
                 assert p.dtype == dtype and torch.equal(p.detach(), w.to(dtype)), (
                     f"{what}, step {step}: parameter {i} on the device must be its updated master cast to {dtype}")
+    optimizer_offload_link(rank)
+
+
+# ----------------------------------------------------------------------------- an emulated device and its link
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on the accelerator (device ``meta`` here: a device type
+    that needs no driver). Only ``Link`` runs operations on it."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                device=torch.device("meta"), requires_grad=inner.requires_grad)
+        t.inner = inner
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("OnDevice: an operation outside Link")
+
+    def __repr__(self):
+        return f"OnDevice({self.inner!r})"
+
+
+def _is_device(t) -> bool:
+    return isinstance(t, OnDevice)
+
+
+class Link(TorchDispatchMode):
+    """Runs every operation as a GPU would place it, and measures the traffic between host and
+    device: an operation on device tensors gives device tensors; one that mixes device and host
+    tensors (other than 0-d host scalars) raises, as CUDA does; ``copy_`` and ``.to(...)`` across
+    the link are logged as ("d2h" | "h2d", bytes). The bytes of a copy that also casts are those
+    of the dtype the transfer carries, as ATen's CUDA copy does (aten/src/ATen/native/cuda/Copy.cu):
+    a copy to the device converts on the host first (the destination's dtype crosses), a
+    blocking copy to the host converts after the transfer (the source's dtype crosses), a
+    non-blocking one converts on the device first (the destination's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+
+    def bytes(self, direction: str) -> int:
+        return sum(n for d, n in self.log if d == direction)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves, tree_map
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inner = lambda a: a.inner if _is_device(a) else a
+        to_device = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta"
+        if name == "_to_copy":
+            src = args[0]
+            target = to_device if kwargs.get("device") is not None else _is_device(src)
+            out = func(inner(src), **dict(kwargs, device=torch.device("cpu")))
+            if target != _is_device(src):
+                carried = out if target or kwargs.get("non_blocking") else src
+                self.log.append(("h2d" if target else "d2h", out.numel() * carried.element_size()))
+            return OnDevice(out) if target else out
+        if name == "copy_":
+            dst, src = args[0], args[1]
+            if _is_device(dst) != _is_device(src) and not (src.dim() == 0 and not _is_device(src)):
+                blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+                carried = src if not _is_device(dst) and blocking else dst
+                self.log.append(("h2d" if _is_device(dst) else "d2h", dst.numel() * carried.element_size()))
+            func(inner(dst), inner(src), *args[2:], **kwargs)
+            return dst
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on = {_is_device(t) for t in tensors if _is_device(t) or t.dim() > 0}
+        if len(on) > 1:
+            raise RuntimeError(f"Link: {name} mixes device and host tensors (a GPU raises: expected all tensors on "
+                               "the same device)")
+        if kwargs.get("device") is not None:
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        out = func(*tree_map(inner, args), **tree_map(inner, kwargs))
+        if on != {True} and not to_device:
+            return out
+        if func._schema.is_mutable and args and _is_device(args[0]):
+            return args[0]
+        return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def optimizer_offload_link(rank: int) -> None:
+    """``OffloadedAdamW`` on an emulated device (``Link``): parameters of three dtypes at once
+    (bf16, fp16, fp32: 2 + 2 + 4 bytes), a frozen one, one without a gradient at step 2, random
+    gradients, 3 steps. The traffic is measured, not read from ``moved_bytes``: each step, down
+    exactly each gradient in its dtype, up exactly each parameter in its dtype (an update run on
+    the device, its fp32 state sent up and back, moves 4 bytes a parameter more each way and
+    fails); ``moved_bytes`` grows by the measured bytes; the master and moments stay host
+    tensors; master vs torch.optim.AdamW, parameters = master cast."""
+    from labkit.recompute import OffloadedAdamW
+    hyper = dict(lr=3e-2, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+    gen = torch.Generator().manual_seed(300 + rank)
+    shapes = [((4, 3), torch.bfloat16), ((5,), torch.float16), ((2, 2), torch.float32), ((3,), torch.bfloat16)]
+    with Link() as link:
+        params = [nn.Parameter(OnDevice(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)))
+                  for shape, dtype in shapes]
+        params[3].requires_grad_(False)  # frozen: not the optimizer's
+        trained = params[:3]
+        ref_master = [p.inner.detach().float().clone().requires_grad_(True) for p in trained]
+        ref_opt = torch.optim.AdamW(ref_master, **hyper)
+        opt = OffloadedAdamW(params, **hyper)
+        host = opt.master + opt.exp_avg + opt.exp_avg_sq
+        what = f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and fp32"
+        assert not any(_is_device(t) for t in host), f"{what}: the master and the moments must live on the host"
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in trained]
+            if step == 1:
+                grads[1] = None  # no gradient this step: nothing moves for it
+            for p, g in zip(trained, grads):
+                p.grad = None if g is None else OnDevice(g.clone())
+            link.log.clear()
+            before = opt.moved_bytes
+            opt.step()
+            down = sum(g.numel() * g.element_size() for g in grads if g is not None)
+            up = sum(p.numel() * p.element_size() for p, g in zip(trained, grads) if g is not None)
+            where = f"{what}, step {step + 1}"
+            assert (link.bytes("d2h"), link.bytes("h2d")) == (down, up), (
+                f"{where}: measured {link.bytes('d2h')} B down and {link.bytes('h2d')} B up the link, want {down} down "
+                f"(each gradient in its dtype) and {up} up (each parameter in its dtype, cast on the host); "
+                f"copies: {link.log}")
+            assert opt.moved_bytes - before == down + up, (
+                f"{where}: moved_bytes grew by {opt.moved_bytes - before}, the link carried {down + up} B")
+            assert not any(_is_device(t) for t in opt.master + opt.exp_avg + opt.exp_avg_sq), \
+                f"{where}: the master and the moments must stay on the host"
+            for w, g in zip(ref_master, grads):
+                w.grad = None if g is None else g.float()
+            ref_opt.step()
+            for i, (p, w, ref) in enumerate(zip(trained, opt.master, ref_master)):
+                assert_close(w, ref.detach(), f"{where}: fp32 master of parameter {i} ({p.dtype}) vs torch.optim.AdamW")
+                assert _is_device(p) and p.dtype == shapes[i][1] and torch.equal(p.inner, w.to(p.dtype)), (
+                    f"{where}: parameter {i} must stay on the device in {shapes[i][1]}, equal to its master cast")
 
 
 @task("recompute.checkpoint", points=3)

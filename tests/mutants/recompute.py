@@ -129,6 +129,31 @@ MUTANTS = [
            find="        if count == 0:\n            continue\n", replace=""),
     Mutant("recompute.accumulate", "no_divide_by_n", "sums the ranks' gradients without dividing by N",
            find="                p.grad.div_(n)\n", replace=""),
+    # recompute.optimizer_offload (issue 39: the bytes self-reported; now measured on an emulated device)
+    Mutant("recompute.optimizer_offload", "update_on_device", "sends the fp32 master and moments to the device, updates "
+           "there and copies them back, while moved_bytes still counts 2 + 2 bytes a parameter",
+           find="            grad = p.grad.to(\"cpu\", torch.float32)\n"
+                "            self.moved_bytes += p.grad.nbytes\n"
+                "            w.mul_(1 - self.lr * self.weight_decay)\n"
+                "            m.lerp_(grad, 1 - beta1)\n"
+                "            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
+                "            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
+                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+                "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace="            grad = p.grad.float()\n"
+                   "            self.moved_bytes += p.grad.nbytes\n"
+                   "            wd, md, vd = (t.to(p.device) for t in (w, m, v))\n"
+                   "            wd.mul_(1 - self.lr * self.weight_decay)\n"
+                   "            md.lerp_(grad, 1 - beta1)\n"
+                   "            vd.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
+                   "            denominator = (vd.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
+                   "            wd.addcdiv_(md, denominator, value=-self.lr / correction1)\n"
+                   "            w.copy_(wd)\n            m.copy_(md)\n            v.copy_(vd)\n"
+                   "            p.copy_(wd.to(p.dtype))\n"),
+    Mutant("recompute.optimizer_offload", "grad_cast_on_device", "casts the gradient to fp32 on the device, then sends it "
+           "down: 4 bytes a parameter instead of 2, moved_bytes still 2",
+           find="            grad = p.grad.to(\"cpu\", torch.float32)\n",
+           replace="            grad = p.grad.float().to(\"cpu\")\n"),
     # recompute.optimizer_offload
     Mutant("recompute.optimizer_offload", "no_fp32_master", "updates the bf16 parameter itself: small updates round away",
            find="            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
