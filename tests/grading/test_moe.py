@@ -43,6 +43,12 @@ bytes max(sent, received) x H x element size from the reference routing. Three s
 AdamW, and of momentum SGD with a frozen gate, against the reference's. Bad input raises
 ValueError before any communication.
 
+moe.layer, drawn (``test_layer_drawn``): 6 configurations per world size (2, 3) drawn from the
+whole documented space with a new seed each run (printed as LABKIT_SEED; ``LABKIT_LONG=1``: 40):
+E/N from 1 to 3, k from 1 to E, dropless or any capacity factor, the four dtypes, H and F from
+1 to 9, [B, T, H] inputs of each rank's own shape, even or skewed routing; a random incoming
+gradient for y and random weights on aux and z-loss; then a second call with other shapes.
+
 moe.ep_dp: a 2-layer MoE GPT (labkit.models) trained 3 steps with the learner's EP layer on
 every grid of the world (4 = 2x2, 4x1, 1x4; 3 = 3x1, 1x3; 2 = 2x1, 1x2) in three cases, all
 three on the first grid of each world size and one each, in turn, on the others: k = 2
@@ -107,6 +113,8 @@ absolute tolerance is raised to rtol x the largest |expected| of the tensor (``n
 
 import copy
 import math
+import os
+import random
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -552,6 +560,94 @@ def layer_on_rank() -> None:
                 near(layer.w1, ref[1][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w1")
                 near(layer.w2, ref[2][me * local:(me + 1) * local], f"{what}, after step {step + 1}: my w2")
                 near(layer.gate, ref[0], f"{what}, after step {step + 1}: gate")
+
+
+# ----------------------------------------------------------------------------- the layer, drawn configurations
+
+LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
+
+
+def run_seed() -> int:
+    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
+    one); printed, and every message of a drawn case names it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
+    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
+    return seed
+
+
+def drawn_layer_case(draw: random.Random, m: int) -> dict:
+    """One configuration of ``ExpertParallelMoE`` from its documented space, for a group of m:
+    E/N experts per rank (1-3), any k from 1 to E, dropless or a capacity factor in (0, 2.5],
+    any of the four dtypes, H and F from 1 to 9, each rank its own [B, T, H] input (B 1-3,
+    T 1-6), routing even or skewed."""
+    local = draw.randint(1, 3)
+    num_experts = m * local if m > 1 else draw.randint(1, 5)
+    return dict(num_experts=num_experts, k=draw.randint(1, num_experts),
+                factor=None if draw.random() < 0.35 else round(draw.uniform(0.05, 2.5), 2),
+                dtype=draw.choice(DTYPES), hidden=draw.randint(1, 9), ffn=draw.randint(1, 9),
+                shapes=[(draw.randint(1, 3), draw.randint(1, 6)) for _ in range(m)],
+                again=[(draw.randint(1, 3), draw.randint(1, 6)) for _ in range(m)],
+                uneven=draw.random() < 0.3, salt=draw.randrange(2 ** 31))
+
+
+def layer_drawn_on_rank(seed: int, cases: int) -> None:
+    """``ExpertParallelMoE`` on configurations drawn from its whole documented space (a new seed
+    each run), on the world and, at N = 3, the pair {0, 1}: forward and backward with a random
+    incoming gradient for y and random weights on aux and z-loss, against ``reference_moe``
+    (output, aux, z, input, expert and gate gradients); then the same layer called again on
+    inputs of other shapes (nothing cached from the first call)."""
+    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe
+    rank = dist.get_rank()
+    groups = groups_of_world()[:2]
+    for case in range(cases):
+        draw = random.Random(seed * 1_000_003 + case)  # the same draws on every rank
+        group_name, members, group = groups[draw.randrange(len(groups))]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        c = drawn_layer_case(draw, m)
+        num_experts, k, factor, dtype, hidden, ffn = (c[key] for key in ("num_experts", "k", "factor", "dtype", "hidden", "ffn"))
+        local = num_experts // m
+        what = (f"moe.layer (drawn case {case}, LABKIT_SEED={seed}): rank {rank}, {group_name}, E={num_experts}, k={k}, "
+                f"capacity factor {factor}, {NAMES[dtype]}, H={hidden}, F={ffn}, inputs {c['shapes']}"
+                f"{', skewed routing' if c['uneven'] else ''}")
+        layer = ExpertParallelMoE(hidden, ffn, num_experts, k, factor, group=group, seed=c["salt"] % 997, dtype=dtype)
+        gate, w1, w2 = init_experts(num_experts, hidden, ffn, c["salt"] % 997, dtype)
+        if c["uneven"]:
+            gate = skewed_gate(gate)
+            with torch.no_grad():
+                layer.gate.copy_(gate)
+        for call, shapes in (("first call", c["shapes"]), ("second call, other shapes", c["again"])):
+            gen = torch.Generator().manual_seed(c["salt"] + (call != "first call"))
+            xs = [(torch.randn(b, t, hidden, generator=gen, dtype=torch.float64)
+                   + (UNEVEN_SHIFT if c["uneven"] else 0.0)).to(dtype).requires_grad_(True) for b, t in shapes]
+            gs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype) for b, t in shapes]
+            a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
+            where = f"{what}, {call} on inputs {shapes}"
+            ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
+            ref_total = 0
+            for r, (x, g) in enumerate(zip(xs, gs)):
+                y, aux, z = reference_moe(x, *ref, k, factor)
+                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            layer.zero_grad()
+            x = xs[me].detach().clone().requires_grad_(True)
+            y, aux = layer(x)
+            assert y.shape == x.shape and y.dtype == dtype, f"{where}: y must be {dtype} {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}"
+            torch.autograd.backward([y, aux, layer.z_loss], [gs[me], torch.tensor(a_aux, dtype=aux.dtype),
+                                                             torch.tensor(a_z, dtype=layer.z_loss.dtype)])
+            near(y, ref_y, where + ": output vs one process holding every expert")
+            near(aux, ref_aux, where + ": load-balancing loss")
+            near(layer.z_loss, ref_z, where + ": z-loss")
+            near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
+            mine = slice(me * local, (me + 1) * local)
+            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my experts")
+            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my experts")
+            gate_grad = layer.gate.grad.clone()
+            dist.all_reduce(gate_grad, group=group)
+            near(gate_grad, ref[0].grad, where + ": gate gradient summed over the group")
 
 
 # ----------------------------------------------------------------------------- EP x DP
@@ -1140,6 +1236,12 @@ def test_dispatch(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_layer(world_size):
     run_graded("moe.layer", layer_on_rank, world_size)
+
+
+@task("moe.layer", points=1)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_drawn(world_size):
+    run_graded("moe.layer", layer_drawn_on_rank, world_size, run_seed(), 40 if LONG else 6, timeout=300 if LONG else 90)
 
 
 @task("moe.ep_dp", points=2)

@@ -45,6 +45,9 @@ numbers the code under test reports. Then, per task:
   one wholly padded: weights by the counted targets, not y.numel().
 """
 
+import os
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,6 +65,26 @@ from labkit.oracles import builtin_checkpoint
 DROPOUT, STEPS, STREAM_STEPS = 0.2, 5, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 SHAPES = [(8, 2, 16, 2), (12, 3, 16, 4), (6, 1, 32, 2)]  # (s, b, h, a) for the byte counts
+
+
+LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
+
+
+def run_seed() -> int:
+    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
+    one); printed, and every message of a drawn case names it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
+    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
+    return seed
+
+
+def examples(ci: int, long: int) -> int:
+    return long if LONG else ci
+
+
+def drawn(seed: int, case: int) -> random.Random:
+    """Case ``case``'s own sampler, the same on every rank (not the global ``random``)."""
+    return random.Random(seed * 1_000_003 + case)
 
 
 def tokens(rank: int, step: int, batch: int = 3, seq: int = 8):
@@ -254,6 +277,35 @@ def checkpoint_api(rank) -> None:
             assert_close(got, want, f"{what}: {name} vs fn without checkpointing")
         assert results[1][2] is None, f"{what}: the mask (requires no gradient) got a gradient"
         assert torch.equal(results[1][1], results[0][1]), f"{what}: the global RNG stream is not where fn leaves it"
+    # integer tensors (token ids, positions) through a checkpointed function: no gradient for them, no
+    # error; a random incoming gradient; then a second call with other shapes (nothing kept from the first)
+    emb, pos = nn.Embedding(11, 6).double(), nn.Embedding(9, 6).double()
+
+    def embed(x, ids, positions, scale):
+        h = emb(ids) + pos(positions) + x
+        return (lin(h) * scale).tanh()
+
+    for b, t in ((2, 5), (3, 9), (1, 1)):
+        ids = torch.randint(0, 11, (b, t), generator=gen)
+        positions = torch.arange(t).expand(b, t)
+        x = torch.randn(b, t, 6, dtype=torch.float64, generator=gen)
+        g = torch.randn(b, t, 6, dtype=torch.float64, generator=gen)
+        got = []
+        for run in (embed, lambda *args: Checkpoint.apply(embed, *args)):
+            for m in (emb, pos, lin):
+                m.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = run(xi, ids, positions, 0.7)
+            out.backward(g)
+            got.append([out.detach(), xi.grad, emb.weight.grad.clone(), pos.weight.grad.clone(), lin.weight.grad.clone()])
+        what = (f"recompute.checkpoint: rank {rank}, Checkpoint.apply(fn, x, ids (int64), positions (int64), 0.7) on "
+                f"[{b}, {t}] tokens, a random incoming gradient")
+        for name, mine, want in zip(("output", "x.grad", "token embedding grad", "position embedding grad",
+                                     "linear weight grad"), got[1], got[0]):
+            assert mine is not None, f"{what}: {name} is None"
+            assert_close(mine, want, f"{what}: {name} vs fn without checkpointing")
+        assert ids.grad is None and positions.grad is None and not ids.requires_grad, \
+            f"{what}: integer arguments get no gradient"
     # the inputs are kept through save_for_backward only, so saved-tensor hooks (offloading) see them:
     # under hooks that move what is saved, the caller's intermediate input is freed after forward
     x = x0.clone().requires_grad_(True) * 2  # an intermediate: only the caller holds it
@@ -958,7 +1010,10 @@ def ce_data(rank, n, h, v, dtype, ignore_index, seed=0, scale=1.0):
     return hidden, weight, bias, targets
 
 
-def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
+def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what, grad_scale=1.7):
+    """The loss and the gradients of ``fn`` vs ``F.cross_entropy`` in fp32; backward gets an
+    incoming gradient that is not 1 (a loss scaled before backward by ``grad_scale``), so a
+    backward that ignores its ``grad`` fails."""
     import torch.nn.functional as F
     inputs = [t.detach().clone().requires_grad_(True) for t in (hidden, weight) + (() if bias is None else (bias,))]
     loss = fn(inputs[0], inputs[1], targets, chunk, bias=inputs[2] if bias is not None else None,
@@ -966,11 +1021,12 @@ def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == torch.float32, (
         f"{what}: the loss must be an fp32 scalar (computed in fp32), got "
         f"{getattr(loss, 'dtype', type(loss))} {tuple(getattr(loss, 'shape', ()))}")
-    loss.backward()
+    (loss * grad_scale).backward()
+    what = f"{what}, loss x {grad_scale:.4g} before backward"
     ref_in = [t.detach().float().requires_grad_(True) for t in inputs]
     logits = ref_in[0] @ ref_in[1].T + (ref_in[2] if bias is not None else 0)
     ref = F.cross_entropy(logits, targets, ignore_index=ignore_index)
-    ref.backward()
+    (ref * grad_scale).backward()
     if torch.isnan(ref):
         assert torch.isnan(loss), f"{what}: every target ignored: torch's loss is nan (0/0), got {loss.item()}"
     else:
@@ -983,7 +1039,7 @@ def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
     return loss.detach()
 
 
-def chunked_ce_on_rank() -> None:
+def chunked_ce_on_rank(seed: int) -> None:
     import torch.nn.functional as F
     from labkit.recompute import chunked_cross_entropy as cce
     rank = dist.get_rank()
@@ -1006,6 +1062,22 @@ def chunked_ce_on_rank() -> None:
                     what = (f"{task_}, {dtype}, ignore_index={ignore_index}, chunk_size={chunk}, "
                             f"bias={'None' if bias is None else 'given'}")
                     ce_compare(cce, h, w, bias, t, chunk, ignore_index, what)
+    # configurations drawn from the documented space (a new seed each run, printed; LABKIT_LONG=1: more)
+    for i in range(examples(6, 60)):
+        draw = drawn(seed, i)
+        n, hd, v = draw.randint(1, 40), draw.randint(1, 12), draw.randint(2, 70)
+        dtype = draw.choice((torch.float32, torch.bfloat16, torch.float16))
+        ignore_index = draw.choice((-100, -1, 0, v - 1))
+        chunk = draw.choice((1, draw.randint(1, n), n, n + draw.randint(1, 9)))
+        gen = torch.Generator().manual_seed(draw.randrange(2 ** 31))
+        hidden = torch.randn(n, hd, generator=gen).to(dtype)
+        weight = torch.randn(v, hd, generator=gen).to(dtype)
+        bias = torch.randn(v, generator=gen).to(dtype) if draw.random() < 0.5 else None
+        targets = torch.randint(0, v, (n,), generator=gen)
+        targets[torch.rand(n, generator=gen) < draw.random()] = ignore_index
+        what = (f"{task_}, drawn case {i} (LABKIT_SEED={seed}): N={n}, h={hd}, V={v}, {dtype}, "
+                f"ignore_index={ignore_index}, chunk_size={chunk}, bias={'None' if bias is None else 'given'}")
+        ce_compare(cce, hidden, weight, bias, targets, chunk, ignore_index, what, grad_scale=draw.uniform(-3.0, 3.0))
     # every target ignored: nan loss and zero gradients, as torch
     h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, torch.float32, -100)
     ce_compare(cce, h, w, b, torch.full_like(t, -100), 7, -100, f"{task_}, every target ignored")
@@ -1060,4 +1132,4 @@ def chunked_ce_on_rank() -> None:
 @task("recompute.chunked_ce", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_chunked_ce(world_size):
-    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, timeout=120)
+    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, run_seed(), timeout=120)

@@ -4,6 +4,14 @@ from labkit.course.mutants import Mutant
 
 MUTANTS = [
     # recompute.checkpoint
+    Mutant("recompute.checkpoint", "every_input_requires_grad", "makes every tensor argument require a gradient in the "
+           "recompute: integer ids and positions raise (only floating point tensors can require gradients)",
+           find="        tensors = iter([t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors])\n",
+           replace="        tensors = iter([t.detach().requires_grad_(True) for t in ctx.saved_tensors])\n"),
+    Mutant("recompute.checkpoint", "ones_as_incoming_grad", "backpropagates the recomputed outputs with ones (as for a "
+           "summed loss), not the gradients backward was handed",
+           find="        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])\n",
+           replace="        torch.autograd.backward([o for o, _ in pairs], [torch.ones_like(g) for _, g in pairs])\n"),
     Mutant("recompute.checkpoint", "rng_not_restored", "recomputes with the RNG as it is now: dropout draws a new mask",
            find="            torch.set_rng_state(ctx.cpu_rng)\n", replace=""),
     Mutant("recompute.checkpoint", "every_kth_off_by_one", "wraps blocks k-1, 2k-1, ... instead of 0, k, 2k, ...",
@@ -200,6 +208,9 @@ EQUIVALENT = {
 
 # recompute.chunked_ce
 MUTANTS += [
+    Mutant("recompute.chunked_ce", "incoming_grad_ignored", "backward scales by 1 / count only, not by the incoming "
+           "gradient: right for loss.backward(), wrong for a scaled loss",
+           find="        scale = grad / keep.sum()\n", replace="        scale = 1.0 / keep.sum()\n"),
     Mutant("recompute.chunked_ce", "mean_of_chunk_means", "averages each chunk's mean: wrong when chunks differ in kept tokens",
            find="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum()\n",
            replace="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum() / keep[rows].sum().clamp(min=1) * count / -(-n // chunk_size)\n"),
