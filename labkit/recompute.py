@@ -457,15 +457,38 @@ class OffloadedAdamW:
     own step count, which the bias corrections use, does not advance: torch's semantics.
     Parameters that do not require a gradient (frozen) are not taken.
 
+    ``params`` are parameters or, as for torch's optimizers, param groups: dicts with "params"
+    and any of ``lr``, ``betas``, ``eps``, ``weight_decay`` overriding the defaults for that group
+    (e.g. no weight decay on biases and norms). Parameters may differ in dtype.
+
     ``master``, ``exp_avg``, ``exp_avg_sq``: the host tensors, one per parameter, in order;
-    ``param_steps``: each one's step count; ``moved_bytes``: bytes sent over the link so far,
-    both ways."""
+    ``param_groups``: the groups with their options; ``options[i]``: parameter i's
+    (lr, betas, eps, weight_decay); ``param_steps``: each one's step count; ``moved_bytes``:
+    bytes sent over the link so far, both ways. ``step`` writes the parameters (in place) and
+    sets no ``.grad``."""
+
+    OPTIONS = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        self.params = [p for p in params if p.requires_grad]
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = []
+        for group in groups:
+            unknown = set(group) - {"params", *self.OPTIONS}
+            if unknown:
+                raise ValueError(f"recompute: OffloadedAdamW param group with unknown options {sorted(unknown)}")
+            tensors = group["params"]
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            options = {name: group.get(name, defaults[name]) for name in self.OPTIONS}
+            self.param_groups.append({"params": [p for p in tensors if p.requires_grad], **options})
+        self.params = [p for group in self.param_groups for p in group["params"]]
         if not self.params:
             raise ValueError("recompute: OffloadedAdamW got no parameter that requires a gradient")
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("recompute: OffloadedAdamW got a parameter twice (in two groups, or twice in one)")
+        self.options = [tuple(group[name] for name in self.OPTIONS) for group in self.param_groups for _ in group["params"]]
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # the defaults
         self.steps, self.moved_bytes = 0, 0
         self.param_steps = [0] * len(self.params)  # per parameter, as torch's: steps it had a gradient
         pin = torch.cuda.is_available()
@@ -483,20 +506,20 @@ class OffloadedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
-        beta1, beta2 = self.betas
         for i, (p, w, m, v) in enumerate(zip(self.params, self.master, self.exp_avg, self.exp_avg_sq)):
             if p.grad is None:  # no gradient this step: untouched, and its step count stays (as torch's)
                 continue
+            lr, (beta1, beta2), eps, weight_decay = self.options[i]  # its group's
             # BEGIN SOLUTION recompute.optimizer_offload: this parameter's step count + 1 (bias corrections from it); grad to the host as fp32; w *= 1 - lr wd; m, v updated; w -= lr/c1 * m / (sqrt(v)/sqrt(c2) + eps); p.copy_(w) back; count the bytes both ways
             self.param_steps[i] += 1
             correction1, correction2 = 1 - beta1 ** self.param_steps[i], 1 - beta2 ** self.param_steps[i]
             grad = p.grad.to("cpu", torch.float32)
             self.moved_bytes += p.grad.nbytes
-            w.mul_(1 - self.lr * self.weight_decay)
+            w.mul_(1 - lr * weight_decay)
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)
-            w.addcdiv_(m, denominator, value=-self.lr / correction1)
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / correction1)
             p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4
             self.moved_bytes += p.nbytes
             # END SOLUTION

@@ -611,7 +611,7 @@ def offload_on_rank() -> None:
 
 # ----------------------------------------------------------------------------- accumulate
 
-def accumulate_on_rank() -> None:
+def accumulate_on_rank(seed: int) -> None:
     from labkit.models import GPT
     from labkit.recompute import accumulate
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -672,7 +672,7 @@ def accumulate_on_rank() -> None:
                                                      "rank's micro-batches (mean over its tokens), ranks averaged")
                 opt.step()
                 ref_opt.step()
-    accumulate_padded(rank, n)
+    accumulate_padded(rank, n, seed)
 
 
 ACC_SHAPES = [(2, 8, 3), (3, 5, 4), (2, 3, 3)]   # (rows, sequence length, most padded positions) per micro-batch
@@ -697,42 +697,70 @@ def padded_batches(rank: int, step: int, ignore_index: int):
     return out
 
 
-def accumulate_padded(rank: int, n: int) -> None:
+def drawn_batches(seed: int, case: int, rank: int, ignore_index: int):
+    """Drawn case ``case``'s micro-batches of rank ``rank``: 1-4 of them, each 1-3 rows of 1-8
+    tokens (its own length), each row right-padded by a drawn number of ``ignore_index``
+    targets (a whole micro-batch may be padding, never all of a rank's)."""
+    draw = random.Random((seed * 1_000_003 + case) * 31 + rank)
+    out = []
+    for j in range(draw.randint(1, 4)):
+        rows, seq = draw.randint(1, 3), draw.randint(1, 8)
+        x, y = tokens(rank, 1000 + 10 * case + j, batch=rows, seq=seq)
+        y = y.clone()
+        for row in range(rows):
+            cut = draw.randint(0, seq)
+            if cut:
+                y[row, seq - cut:] = ignore_index
+        out.append((x, y))
+    if all((y == ignore_index).all() for _, y in out):
+        out[0][1][0, 0] = 3  # at least one counted target on every rank
+    return out
+
+
+def accumulate_padded(rank: int, n: int, seed: int) -> None:
     """Issue 42: padded targets. Micro-batches of different sequence lengths (8, 5, 3 tokens),
     right-padded with ``ignore_index`` (-100, and -1 with a loss that ignores -1), one of them
     wholly padded on rank 0 (it weighs 0), 2 steps over every rank: the gradient is that of the
     sum of every counted target's loss over this rank's micro-batches divided by their count
-    (not by y.numel(), which counts the padding), averaged over the ranks; the loss returned."""
+    (not by y.numel(), which counts the padding), averaged over the ranks; the loss returned.
+    Then configurations drawn with the run's seed: 1-4 micro-batches per rank of drawn rows,
+    lengths and padding, ignore_index -100, -1 or 0 (a class id)."""
     import torch.nn.functional as F
     from labkit.models import GPT
     from labkit.recompute import accumulate
     config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
 
-    for ignore_index in (-100, -1):
+    cases = [(ignore_index, step, None) for ignore_index in (-100, -1) for step in range(2)]
+    cases += [(random.Random(seed + i).choice((-100, -1, 0)), None, i) for i in range(examples(2, 30))]
+    model, ref = GPT(config, seed=6).double(), GPT(config, seed=6).double()
+    for ignore_index, step, case in cases:
         def loss_fn(m, x, y, reduction="mean"):
             return F.cross_entropy(m(x)[0].flatten(0, 1), y.flatten(), ignore_index=ignore_index, reduction=reduction)
 
-        model, ref = GPT(config, seed=6).double(), GPT(config, seed=6).double()
-        for step in range(2):
-            batches = padded_batches(rank, step, ignore_index)
-            counted = [int((y != ignore_index).sum()) for _, y in batches]
-            what = (f"recompute.accumulate: rank {rank} of {n}, ignore_index={ignore_index}, step {step}, micro-batches "
-                    f"{[tuple(x.shape) for x, _ in batches]} with {counted} counted targets (the rest padding)")
+        def batches_of(r):
+            return padded_batches(r, step, ignore_index) if case is None else drawn_batches(seed, case, r, ignore_index)
+
+        batches = batches_of(rank)
+        counted = [int((y != ignore_index).sum()) for _, y in batches]
+        what = (f"recompute.accumulate: rank {rank} of {n}, ignore_index={ignore_index}, "
+                f"{f'step {step}' if case is None else f'drawn case {case} (LABKIT_SEED={seed})'}, micro-batches "
+                f"{[tuple(x.shape) for x, _ in batches]} with {counted} counted targets (the rest padding)")
+        if case is None:
             assert sum(y.numel() for _, y in batches) > sum(counted), "test set-up: some targets should be padding"
-            model.zero_grad()
-            got = accumulate(model, batches, loss_fn, ignore_index=ignore_index)
-            # the reference: per rank, the summed loss of its counted targets / their count; ranks averaged
-            ref.zero_grad()
-            means = []
-            for r in range(n):
-                theirs = padded_batches(r, step, ignore_index)
-                count = sum(int((y != ignore_index).sum()) for _, y in theirs)
-                means.append(sum(loss_fn(ref, x, y, "sum") for x, y in theirs) / count)
-            (sum(means) / n).backward()
-            assert_close(got, means[rank].detach(), f"{what}: the loss returned vs the mean over this rank's counted targets")
-            for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-                assert_close(p.grad, r.grad, f"{what}: gradient of {name} vs the mean over each rank's counted "
-                                             "targets (weights c_i / C with c_i the targets not ignored), ranks averaged")
+        model.zero_grad()
+        got = accumulate(model, batches, loss_fn, ignore_index=ignore_index)
+        # the reference: per rank, the summed loss of its counted targets / their count; ranks averaged
+        ref.zero_grad()
+        means = []
+        for r in range(n):
+            theirs = batches_of(r)
+            count = sum(int((y != ignore_index).sum()) for _, y in theirs)
+            means.append(sum(loss_fn(ref, x, y, "sum") for x, y in theirs) / count)
+        (sum(means) / n).backward()
+        assert_close(got, means[rank].detach(), f"{what}: the loss returned vs the mean over this rank's counted targets")
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, r.grad, f"{what}: gradient of {name} vs the mean over each rank's counted "
+                                         "targets (weights c_i / C with c_i the targets not ignored), ranks averaged")
 
 
 # ----------------------------------------------------------------------------- optimizer offload
@@ -873,8 +901,9 @@ class Link(TorchDispatchMode):
 
 def optimizer_offload_link(rank: int) -> None:
     """``OffloadedAdamW`` on an emulated device (``Link``): parameters of three dtypes at once
-    (bf16, fp16, fp32: 2 + 2 + 4 bytes), a frozen one, one without a gradient at step 2, random
-    gradients, 3 steps. The traffic is measured, not read from ``moved_bytes``: each step, down
+    (bf16, fp16, fp32: 2 + 2 + 4 bytes) in two param groups (the second with its own lr, betas
+    and no weight decay), a frozen one, one without a gradient at step 2, random gradients, 3
+    steps; a parameter in two groups and an unknown option refused. The traffic is measured, not read from ``moved_bytes``: each step, down
     exactly each gradient in its dtype, up exactly each parameter in its dtype (an update run on
     the device, its fp32 state sent up and back, moves 4 bytes a parameter more each way and
     fails); ``moved_bytes`` grows by the measured bytes; the master and moments stay host
@@ -889,10 +918,16 @@ def optimizer_offload_link(rank: int) -> None:
         params[3].requires_grad_(False)  # frozen: not the optimizer's
         trained = params[:3]
         ref_master = [p.inner.detach().float().clone().requires_grad_(True) for p in trained]
-        ref_opt = torch.optim.AdamW(ref_master, **hyper)
-        opt = OffloadedAdamW(params, **hyper)
+        # two param groups with their own options (the second: no weight decay, another lr and betas)
+        second = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
+        ref_opt = torch.optim.AdamW([{"params": ref_master[:2]}, {"params": ref_master[2:], **second}], **hyper)
+        for bad in ([{"params": params[:2]}, {"params": params[1:3]}], [{"params": params[:2], "momentum": 0.9}]):
+            with pytest.raises(ValueError):
+                OffloadedAdamW(bad, **hyper)
+        opt = OffloadedAdamW([{"params": params[:2]}, {"params": params[2:], **second}], **hyper)
         host = opt.master + opt.exp_avg + opt.exp_avg_sq
-        what = f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and fp32"
+        what = (f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and fp32, "
+                f"two param groups (defaults {hyper}; then {second})")
         assert not any(_is_device(t) for t in host), f"{what}: the master and the moments must live on the host"
         for step in range(3):
             grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in trained]
@@ -950,7 +985,7 @@ def test_offload(world_size):
 @task("recompute.accumulate", points=2)
 @pytest.mark.parametrize("world_size", [1, 4, 3])
 def test_accumulate(world_size):
-    run_graded("recompute.accumulate", accumulate_on_rank, world_size, timeout=120)
+    run_graded("recompute.accumulate", accumulate_on_rank, world_size, run_seed(), timeout=120)
 
 
 @task("recompute.optimizer_offload", points=2)

@@ -142,40 +142,44 @@ MUTANTS = [
            "there and copies them back, while moved_bytes still counts 2 + 2 bytes a parameter",
            find="            grad = p.grad.to(\"cpu\", torch.float32)\n"
                 "            self.moved_bytes += p.grad.nbytes\n"
-                "            w.mul_(1 - self.lr * self.weight_decay)\n"
+                "            w.mul_(1 - lr * weight_decay)\n"
                 "            m.lerp_(grad, 1 - beta1)\n"
                 "            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
-                "            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
-                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+                "            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                "            w.addcdiv_(m, denominator, value=-lr / correction1)\n"
                 "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
            replace="            grad = p.grad.float()\n"
                    "            self.moved_bytes += p.grad.nbytes\n"
                    "            wd, md, vd = (t.to(p.device) for t in (w, m, v))\n"
-                   "            wd.mul_(1 - self.lr * self.weight_decay)\n"
+                   "            wd.mul_(1 - lr * weight_decay)\n"
                    "            md.lerp_(grad, 1 - beta1)\n"
                    "            vd.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
-                   "            denominator = (vd.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
-                   "            wd.addcdiv_(md, denominator, value=-self.lr / correction1)\n"
+                   "            denominator = (vd.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                   "            wd.addcdiv_(md, denominator, value=-lr / correction1)\n"
                    "            w.copy_(wd)\n            m.copy_(md)\n            v.copy_(vd)\n"
                    "            p.copy_(wd.to(p.dtype))\n"),
+    Mutant("recompute.optimizer_offload", "group_options_ignored", "decays every parameter with the optimizer's "
+           "default lr and weight decay, not its param group's (biases decayed after all)",
+           find="            w.mul_(1 - lr * weight_decay)\n",
+           replace="            w.mul_(1 - self.lr * self.weight_decay)\n"),
     Mutant("recompute.optimizer_offload", "grad_cast_on_device", "casts the gradient to fp32 on the device, then sends it "
            "down: 4 bytes a parameter instead of 2, moved_bytes still 2",
            find="            grad = p.grad.to(\"cpu\", torch.float32)\n",
            replace="            grad = p.grad.float().to(\"cpu\")\n"),
     # recompute.optimizer_offload
     Mutant("recompute.optimizer_offload", "no_fp32_master", "updates the bf16 parameter itself: small updates round away",
-           find="            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+           find="            w.addcdiv_(m, denominator, value=-lr / correction1)\n"
                 "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
-           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-self.lr / correction1)\n"
-                   "            p.mul_(1 - self.lr * self.weight_decay)\n            w.copy_(p)\n"),
+           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-lr / correction1)\n"
+                   "            p.mul_(1 - lr * weight_decay)\n            w.copy_(p)\n"),
     Mutant("recompute.optimizer_offload", "not_copied_back", "updates the host master but never sends it back to the device",
            find="            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
            replace=""),
     Mutant("recompute.optimizer_offload", "no_bias_correction", "leaves out Adam's bias correction",
-           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
-                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n",
-           replace="            denominator = v.sqrt().add_(self.eps)\n"
-                   "            w.addcdiv_(m, denominator, value=-self.lr)\n"),
+           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                "            w.addcdiv_(m, denominator, value=-lr / correction1)\n",
+           replace="            denominator = v.sqrt().add_(eps)\n"
+                   "            w.addcdiv_(m, denominator, value=-lr)\n"),
     Mutant("recompute.optimizer_offload", "moments_like_params", "keeps the moments like the parameters: bf16 on the device",
            find="        self.exp_avg = [torch.zeros_like(w) for w in self.master]\n"
                 "        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]\n",
@@ -185,8 +189,8 @@ MUTANTS = [
            find="            correction1, correction2 = 1 - beta1 ** self.param_steps[i], 1 - beta2 ** self.param_steps[i]\n",
            replace="            correction1, correction2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps\n"),
     Mutant("recompute.optimizer_offload", "coupled_weight_decay", "L2 in the gradient (Adam) instead of AdamW's decoupled decay",
-           find="            w.mul_(1 - self.lr * self.weight_decay)\n",
-           replace="            grad = grad + self.weight_decay * w\n"),
+           find="            w.mul_(1 - lr * weight_decay)\n",
+           replace="            grad = grad + weight_decay * w\n"),
     Mutant("recompute.optimizer_offload", "master_in_param_dtype", "keeps the master in the parameter's dtype (bf16 master)",
            find="        self.master = [torch.empty(p.shape, dtype=torch.float32,",
            replace="        self.master = [torch.empty(p.shape, dtype=p.dtype,"),
