@@ -129,7 +129,8 @@ class BiasBalancer:
       forward: wrong gradients). An evaluation forward under ``no_grad`` counts nothing; under
       reentrant checkpointing (this course's ``recompute.Checkpoint``,
       ``torch.utils.checkpoint(use_reentrant=True)``) the forward runs without grad and the
-      recompute with it, so each token is counted once.
+      recompute with it, so each token is counted once. (torch's non-reentrant checkpoint
+      records in both runs: there, route the forward and count its experts yourself.)
     * ``update()`` once per step, after the last micro-batch's backward: the counts summed
       (all-reduced) over ``group`` (None = the world; Megatron-Core: the whole data x tensor x
       context-parallel group), the global load, so the bias stays identical on every rank; then

@@ -78,8 +78,8 @@ group, one all-reduce of E int64 in the group per update; on the world and the s
 (N = 3: {0, 1} with rank 2 a bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}).
 ``BiasBalancer.route`` in a training loop (issue 42: the bias used to move at every call) on a
 skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens: per step three
-micro-batches of 13, 7 and 10 tokens, the first through ``torch.utils.checkpoint`` (reentrant:
-its routing runs again in backward), each loss scaled before backward, and an evaluation
+micro-batches of 13, 7 and 10 tokens, the first through a reentrant checkpoint (as
+``torch.utils.checkpoint(use_reentrant=True)``: its routing runs again in backward), each loss scaled before backward, and an evaluation
 routing under no_grad; every routing of the step (recompute and evaluation included) chooses
 with the bias of steps 1 ... s-1, the gate's gradient summed over the micro-batches is the
 reference's, ``counts`` hold each micro-batch once, nothing is communicated before
@@ -871,6 +871,28 @@ def bias_balance_on_rank() -> None:
 MICRO_TOKENS = (13, 7, 10)  # tokens of each micro-batch of a step: different lengths
 
 
+class Recomputed(torch.autograd.Function):
+    """Reentrant activation recomputation, as ``torch.utils.checkpoint(use_reentrant=True)`` and
+    Megatron-Core's ``CheckpointFunction`` do it (written out here: tests set up torch's built-ins
+    only through labkit.oracles): ``fn(*args)`` runs under no_grad in forward and again, recording,
+    in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn = fn
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        args = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*args)
+        torch.autograd.backward(out, grad)
+        return (None,) + tuple(a.grad if a.requires_grad else None for a in args)
+
+
 def clear_tokens(t: int, gate64, bias, k: int, seed: int) -> torch.Tensor:
     """t tokens [t, H] float64 whose k-th and (k+1)-th biased scores are at least 1e-4 apart
     (drawn, near ties dropped): a float32 rounding cannot swap a choice."""
@@ -891,7 +913,6 @@ def balancer_steps(balancer_cls, group, members, me, k, what) -> None:
     chose the forward's experts); ``counts`` before the update hold each micro-batch's choices
     once (the recompute and the evaluation not again); nothing is communicated until the
     update, which is one all-reduce of E int64s in the group."""
-    from torch.utils.checkpoint import checkpoint
     m = len(members)
     balancer = balancer_cls(B_EXPERTS, gamma=0.05, group=group)
     gen = torch.Generator().manual_seed(7000 + k)
@@ -927,7 +948,7 @@ def balancer_steps(balancer_cls, group, members, me, k, what) -> None:
                 c = torch.randn(x.shape[0], k, generator=torch.Generator().manual_seed(50 + i), dtype=torch.float64)
                 scale = 0.5 + i  # a loss scaled before backward
                 x = x.clone().requires_grad_(True)
-                weights = checkpoint(routed, x, gate, use_reentrant=True) if i == 0 else routed(x, gate)
+                weights = Recomputed.apply(routed, x, gate) if i == 0 else routed(x, gate)
                 ((weights * c).sum() * scale).backward()
                 g = gate64.clone().requires_grad_(True)
                 ref_grad += torch.autograd.grad((ref_weights(g, xs[me][i], picks[me][i], k) * c).sum() * scale, g)[0]
