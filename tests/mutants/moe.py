@@ -235,8 +235,4 @@ EQUIVALENT = {
     "moe.layer/bool/7319cc33": "argsort(local_expert, stable=False): the regrouping by local expert is undone by "
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
-    "moe.shared_overlap/bool/b3f07d80": "argsort(expert_of, stable=False) in SharedExpertMoE.forward: as "
-                                        "moe.layer/bool/c3eb7bf4, combine un-permutes with the same `order`",
-    "moe.shared_overlap/bool/03c19e9f": "argsort(local_expert, stable=False) in SharedExpertMoE.forward: as "
-                                        "moe.layer/bool/7319cc33, undone by index_copy with the same `by_expert`",
 }
