@@ -27,11 +27,11 @@ Tasks (run ``labkit grade moe``; tests in ``tests/grading/test_moe.py``):
     moe.router    route, load_balancing_loss, router_z_loss
     moe.capacity  expert_capacity, keep_mask
     moe.dispatch  AllToAll, exchange_counts
-    moe.layer     ExpertParallelMoE.forward (dispatch, experts, combine)
+    moe.layer     plan_dispatch, compute_experts, combine (steps 1-4), ExpertParallelMoE.forward
     moe.ep_dp     ep_dp_grid, average_ep_dp_gradients (EP x DP on the chapter-08 rank grid)
-    moe.bias_balance  route(..., bias=...), BiasBalancer (auxiliary-loss-free balancing)
+    moe.bias_balance  route(..., bias=...), BiasBalancer: count, update, route (auxiliary-loss-free balancing)
     moe.shared_overlap  AllToAllOverlap, SharedExpertMoE.forward (shared experts computed while
-                  the dispatch and combine all-to-alls are in flight)
+                  the dispatch and combine all-to-alls are in flight; moe.layer's steps reused)
 Bad input (experts not divisible by the EP degree, k > E, capacity factor <= 0, ep x dp not
 the world, no shared expert) raises ValueError before any communication.
 
@@ -61,6 +61,7 @@ holding this rank's experts.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -113,39 +114,66 @@ def biased_route(x: torch.Tensor, gate_weight: torch.Tensor, k: int, bias: torch
 
 
 class BiasBalancer:
-    """The per-expert routing bias of auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437,
-    section 2.1.2). ``bias`` [E] float32 starts at 0. After each step, ``update(expert_counts)``
-    with the [E] counts of this rank's choices (T x k, before any capacity drop): the counts
-    are summed (all-reduced) over ``group`` (None = the world), the global load, so the bias
-    stays identical on every rank of the group; then
+    """The per-expert routing bias of auxiliary-loss-free balancing (Wang et al., 2024,
+    arXiv:2408.15664; DeepSeek-V3, arXiv:2412.19437, section 2.1.2). ``bias`` [E] float32 starts
+    at 0; ``counts`` [E] int64 holds this rank's choices (T x k per routing, before any capacity
+    drop) since the last update. Routing and updating are separate, as in DeepSeek-V3 (the bias
+    is adjusted at the end of each step) and Megatron-Core (tokens per expert accumulated over
+    the global batch, one update in ``finalize_model_grads``):
 
-        bias_e += gamma * sign(mean_e load - load_e)
+    * ``route(x, gate_weight, k)`` routes with the current bias and, only while autograd records
+      (``torch.is_grad_enabled()``, Megatron-Core's rule), adds its choices to ``counts`` with
+      ``count``. It communicates nothing and never changes the bias: every micro-batch of a step
+      routes with the same bias, and so does the recomputation of a checkpointed layer (an
+      update between forward and recompute would choose other experts in backward than in
+      forward: wrong gradients). An evaluation forward under ``no_grad`` counts nothing; under
+      reentrant checkpointing (this course's ``recompute.Checkpoint``,
+      ``torch.utils.checkpoint(use_reentrant=True)``) the forward runs without grad and the
+      recompute with it, so each token is counted once. (torch's non-reentrant checkpoint
+      records in both runs: there, route the forward and count its experts yourself.)
+    * ``update()`` once per step, after the last micro-batch's backward: the counts summed
+      (all-reduced) over ``group`` (None = the world; Megatron-Core: the whole data x tensor x
+      context-parallel group), the global load, so the bias stays identical on every rank; then
 
-    raised for an under-loaded expert, lowered for an over-loaded one, unchanged at the mean
-    (sign 0). ``route(x, gate_weight, k)`` routes one step with the current bias, then updates
-    it with that step's choices (the bias of step s comes from steps 1 ... s-1)."""
+          bias_e += gamma * sign(mean_e load - load_e)
+
+      raised for an under-loaded expert, lowered for an over-loaded one, unchanged at the mean
+      (sign 0); ``counts`` back to 0. The bias of step s comes from steps 1 ... s-1.
+
+    ``gamma`` is the bias update speed, in units of the router's scores (here softmax
+    probabilities, about 1/E each): DeepSeek-V3 uses 0.001 on sigmoid affinities."""
 
     def __init__(self, num_experts: int, gamma: float = 1e-3, group=None):
         self.num_experts, self.gamma, self.group = num_experts, gamma, group
         self.bias = torch.zeros(num_experts, dtype=torch.float32)
+        self.counts = torch.zeros(num_experts, dtype=torch.int64)
 
-    def update(self, expert_counts: torch.Tensor) -> torch.Tensor:
-        """One step's update from this rank's [E] counts (one all-reduce of E int64s over the
-        group). Updates ``self.bias`` in place and returns it."""
-        # BEGIN SOLUTION moe.bias_balance: int64 copy of the counts, all_reduce over self.group, bias += gamma * sign(load.mean() - load) (float32)
-        load = expert_counts.to(torch.int64).clone()  # a copy: the caller's counts stay as they were
+    def count(self, experts: torch.Tensor) -> None:
+        """Adds the choices in ``experts`` (int64, any shape, e.g. [T, k]) to ``self.counts`` (in
+        place). No communication."""
+        # BEGIN SOLUTION moe.bias_balance: counts += bincount of the flattened experts (minlength E)
+        self.counts += torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+        # END SOLUTION
+
+    def update(self) -> torch.Tensor:
+        """The end of a step: ``counts`` summed over the group (one all-reduce of E int64s), the
+        bias moved by gamma * sign(mean - load) (in place), ``counts`` zeroed. Returns ``bias``."""
+        # BEGIN SOLUTION moe.bias_balance: copy of self.counts, all_reduce over self.group, bias += gamma * sign(load.mean() - load) (float32); zero self.counts
+        load = self.counts.clone()  # a copy: all_reduce writes its argument
         dist.all_reduce(load, group=self.group)
         load = load.to(torch.float32)
         self.bias += self.gamma * torch.sign(load.mean() - load)
+        self.counts.zero_()
         return self.bias
         # END SOLUTION
 
     def route(self, x: torch.Tensor, gate_weight: torch.Tensor, k: int):
-        """``route(x, gate_weight, k, bias=self.bias)``, then ``update`` with the bincount of the
-        chosen experts (minlength E). Returns route's four outputs."""
-        # BEGIN SOLUTION moe.bias_balance: route with the current bias first, then update with the bincount of its experts
+        """``route(x, gate_weight, k, bias=self.bias)``; its experts counted (``count``) when grad
+        is enabled. The bias is not changed. Returns route's four outputs."""
+        # BEGIN SOLUTION moe.bias_balance: route with the current bias; if torch.is_grad_enabled(), count its experts; no update here
         out = route(x, gate_weight, k, bias=self.bias)
-        self.update(torch.bincount(out[0].reshape(-1), minlength=self.num_experts))
+        if torch.is_grad_enabled():
+            self.count(out[0])
         return out
         # END SOLUTION
 
@@ -270,38 +298,81 @@ class ExpertParallelMoE(nn.Module):
         self.w2 = nn.Parameter(w2[first:first + self.local].clone())
         self.routed_rows = (0, 0)  # (rows sent, rows received) by the last dispatch
 
-    def forward(self, x: torch.Tensor):
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+    def route_tokens(self, tokens: torch.Tensor):
+        """Routing and capacity of this rank's tokens [T, H]: (experts, weights, keep, aux); sets
+        ``self.z_loss``."""
         experts, weights, probs, logits = route(tokens, self.gate, self.k)
-        aux = load_balancing_loss(probs, experts, self.num_experts)
         self.z_loss = router_z_loss(logits)
         capacity = expert_capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
         keep = keep_mask(experts, self.num_experts, capacity)
-        # BEGIN SOLUTION moe.layer: sort kept choices by expert, exchange counts, AllToAll, per-expert MLP on rows regrouped by local expert, AllToAll back, index_add weighted
-        token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]
-        expert_of, weight_of = experts[keep], weights[keep]
-        order = torch.argsort(expert_of, stable=True)          # the permutation: sorted by expert
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
-        received = exchange_counts(counts, self.group)        # [N, E/N]
-        send_splits = counts.view(-1, self.local).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
-        rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, self.group)
-        # received rows come by source rank, then local expert: regroup them by local expert
-        local_expert = torch.repeat_interleave(
-            torch.arange(self.local).repeat(received.shape[0]), received.reshape(-1))
-        by_expert = torch.argsort(local_expert, stable=True)
-        per_expert = received.sum(dim=0).tolist()
-        outputs = [expert_mlp(block, self.w1[e], self.w2[e])
-                   for e, block in enumerate(rows[by_expert].split(per_expert))]
-        computed = torch.cat(outputs)  # never empty: every rank holds E/N >= 1 experts
-        results = torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to received order
-        back = AllToAll.apply(results, send_splits, recv_splits, self.group)
-        unsorted = torch.empty_like(back).index_copy(0, order, back)          # the inverse permutation
-        y = torch.zeros_like(tokens).index_add(0, token_of, unsorted * weight_of.unsqueeze(1))
-        self.routed_rows = (sum(send_splits), sum(recv_splits))
+        return experts, weights, keep, load_balancing_loss(probs, experts, self.num_experts)
+
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        experts, weights, keep, aux = self.route_tokens(tokens)
+        # BEGIN SOLUTION moe.layer: plan_dispatch, AllToAll of the sorted rows, compute_experts, AllToAll back, combine into zeros
+        plan = plan_dispatch(experts, weights, keep, self.num_experts, self.group)
+        rows = AllToAll.apply(tokens[plan.token_of[plan.order]], plan.recv_splits, plan.send_splits, self.group)
+        results = compute_experts(rows, plan.received, self.w1, self.w2)
+        back = AllToAll.apply(results, plan.send_splits, plan.recv_splits, self.group)
+        y = combine(back, plan, torch.zeros_like(tokens))
+        self.routed_rows = (sum(plan.send_splits), sum(plan.recv_splits))
         # END SOLUTION
         return y.reshape(shape), aux
+
+
+class DispatchPlan(NamedTuple):
+    """Where this rank's kept choices go: ``token_of`` / ``weight_of`` [C] (the token and gate
+    weight of each kept choice, row-major over [T, k]), ``order`` [C] (the permutation that
+    sorts them by expert), ``received`` [N, E/N] (``exchange_counts``), ``send_splits`` and
+    ``recv_splits`` (rows to and from each rank of the group)."""
+    token_of: torch.Tensor
+    weight_of: torch.Tensor
+    order: torch.Tensor
+    received: torch.Tensor
+    send_splits: list
+    recv_splits: list
+
+
+def plan_dispatch(experts, weights, keep, num_experts: int, group=None) -> DispatchPlan:
+    """The kept choices sorted by expert, the counts exchanged (one all-to-all of E int64s) and
+    the split sizes of both row all-to-alls: steps 1-2 of the module docstring."""
+    local = num_experts // dist.get_world_size(group)
+    # BEGIN SOLUTION moe.layer: token and weight of each kept choice, stable argsort by expert, bincount (minlength E), exchange_counts, splits summed per rank
+    token_of = torch.arange(experts.shape[0]).unsqueeze(1).expand_as(experts)[keep]
+    expert_of, weight_of = experts[keep], weights[keep]
+    order = torch.argsort(expert_of, stable=True)          # the permutation: sorted by expert
+    counts = torch.bincount(expert_of, minlength=num_experts)
+    received = exchange_counts(counts, group)              # [N, E/N]
+    send_splits = counts.view(-1, local).sum(dim=1).tolist()
+    recv_splits = received.sum(dim=1).tolist()
+    return DispatchPlan(token_of, weight_of, order, received, send_splits, recv_splits)
+    # END SOLUTION
+
+
+def compute_experts(rows: torch.Tensor, received: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """Step 3: the rows received (by source rank, then local expert; ``received`` [N, E/N] says
+    how many of each) through this rank's experts, batched per expert; returned in the order
+    they arrived, ready to go back."""
+    # BEGIN SOLUTION moe.layer: regroup the rows by local expert (stable argsort of repeat_interleave'd expert ids), one expert_mlp per expert, index_copy back to arrival order
+    local_expert = torch.repeat_interleave(
+        torch.arange(w1.shape[0]).repeat(received.shape[0]), received.reshape(-1))
+    by_expert = torch.argsort(local_expert, stable=True)
+    per_expert = received.sum(dim=0).tolist()
+    outputs = [expert_mlp(block, w1[e], w2[e]) for e, block in enumerate(rows[by_expert].split(per_expert))]
+    computed = torch.cat(outputs)  # never empty: every rank holds E/N >= 1 experts
+    return torch.empty_like(computed).index_copy(0, by_expert, computed)  # back to arrival order
+    # END SOLUTION
+
+
+def combine(back: torch.Tensor, plan: DispatchPlan, base: torch.Tensor) -> torch.Tensor:
+    """Step 4: the rows back from the experts un-permuted (the inverse of ``plan.order``) and
+    added, gate-weighted, to their tokens' rows of ``base`` [T, H] (not written: a new tensor)."""
+    # BEGIN SOLUTION moe.layer: index_copy by plan.order (the inverse permutation), then base.index_add of rows x weight_of
+    unsorted = torch.empty_like(back).index_copy(0, plan.order, back)
+    return base.index_add(0, plan.token_of, unsorted * plan.weight_of.unsqueeze(1))
+    # END SOLUTION
 
 
 def reference_moe(x: torch.Tensor, gate, w1, w2, k: int, capacity_factor: float | None):
@@ -412,34 +483,16 @@ class SharedExpertMoE(ExpertParallelMoE):
     def forward(self, x: torch.Tensor):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        experts, weights, probs, logits = route(tokens, self.gate, self.k)
-        aux = load_balancing_loss(probs, experts, self.num_experts)
-        self.z_loss = router_z_loss(logits)
-        capacity = expert_capacity(tokens.shape[0], self.num_experts, self.k, self.capacity_factor)
-        keep = keep_mask(experts, self.num_experts, capacity)
-        # BEGIN SOLUTION moe.shared_overlap: ExpertParallelMoE.forward's pipeline; dispatch = AllToAllOverlap(..., shared_fc1, tokens, shared_w1), combine = AllToAllOverlap(..., shared_fc2, its output, shared_w2); y = shared output + the weighted sum
-        token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]
-        expert_of, weight_of = experts[keep], weights[keep]
-        order = torch.argsort(expert_of, stable=True)
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
-        received = exchange_counts(counts, self.group)
-        send_splits = counts.view(-1, self.local).sum(dim=1).tolist()
-        recv_splits = received.sum(dim=1).tolist()
-        rows, hidden = AllToAllOverlap.apply(tokens[token_of[order]], recv_splits, send_splits, self.group,
-                                             shared_fc1, tokens, self.shared_w1)
-        local_expert = torch.repeat_interleave(
-            torch.arange(self.local).repeat(received.shape[0]), received.reshape(-1))
-        by_expert = torch.argsort(local_expert, stable=True)
-        per_expert = received.sum(dim=0).tolist()
-        outputs = [expert_mlp(block, self.w1[e], self.w2[e])
-                   for e, block in enumerate(rows[by_expert].split(per_expert))]
-        computed = torch.cat(outputs)
-        results = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        back, shared = AllToAllOverlap.apply(results, send_splits, recv_splits, self.group,
+        experts, weights, keep, aux = self.route_tokens(tokens)
+        # BEGIN SOLUTION moe.shared_overlap: moe.layer's steps; dispatch = AllToAllOverlap(..., shared_fc1, tokens, shared_w1), combine's all-to-all = AllToAllOverlap(..., shared_fc2, its output, shared_w2); y = combine into the shared output
+        plan = plan_dispatch(experts, weights, keep, self.num_experts, self.group)
+        rows, hidden = AllToAllOverlap.apply(tokens[plan.token_of[plan.order]], plan.recv_splits, plan.send_splits,
+                                             self.group, shared_fc1, tokens, self.shared_w1)
+        results = compute_experts(rows, plan.received, self.w1, self.w2)
+        back, shared = AllToAllOverlap.apply(results, plan.send_splits, plan.recv_splits, self.group,
                                              shared_fc2, hidden, self.shared_w2)
-        unsorted = torch.empty_like(back).index_copy(0, order, back)
-        y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))
-        self.routed_rows = (sum(send_splits), sum(recv_splits))
+        y = combine(back, plan, shared)
+        self.routed_rows = (sum(plan.send_splits), sum(plan.recv_splits))
         # END SOLUTION
         return y.reshape(shape), aux
 

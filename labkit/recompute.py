@@ -301,8 +301,13 @@ class OffloadPool:
     handed tensors are freed once forward has offloaded them, that each layer is copied back
     once, after backward has entered the layer above it and before it enters the layer itself
     (never two layers ahead), and that the copies are freed once backward is past the layer.
-    On CUDA the copies back run on a side stream (``copy_streams``) that first waits for an event
-    after the copies to the host; each copy carries an event that the current stream waits for
+    On CUDA the copies both ways run on a side stream (``copy_streams``), so that forward's
+    copies to the host overlap the next layers' forward as backward's copies back overlap the
+    layer above (issue 42: they used to run on the current stream, serialised with compute,
+    while chapter 12's cost model counts them as hidden); the side stream waits for the current
+    one before reading a saved tensor, ``record_stream`` keeps that tensor's memory from being
+    reused before the copy has read it, and the copies back wait for an event after the copies
+    to the host; each copy back carries an event that the current stream waits for
     only when backward unpacks that tensor, and ``record_stream`` marks its memory in use there:
     so layer i - 1's transfer runs while layer i's backward computes. That CUDA path is checked
     in ``tests/test_gpu.py`` (the same gradients as without offloading, device memory freed after
@@ -329,23 +334,38 @@ class OffloadPool:
                                                       lambda handle: self._ready(self.unpack(handle))):
             yield
 
+    def _side_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        stream = self.copy_streams.get(device.index or 0)
+        if stream is None:
+            stream = self.copy_streams[device.index or 0] = torch.cuda.Stream(device)
+        return stream
+
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
-        host.copy_(t, non_blocking=self.pin)
-        if t.is_cuda:  # on the current stream, in order with the forward that made t; marked done by an event
+        if not t.is_cuda:
+            return host.copy_(t)
+        # CUDA: on the side stream, so the copy to the host runs while the current stream goes on
+        # with the next layer's forward (on the current stream it would wait for it: no overlap).
+        # The side stream first waits for the current one (t must be written before it is read);
+        # record_stream tells the allocator t's memory is in use on the side stream, so it is not
+        # handed out again when autograd drops t, before the copy has read it. The event marks
+        # the copies done: the copies back (same stream, so in order anyway) wait for it.
+        stream = self._side_stream(t.device)
+        stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(stream):
+            host.copy_(t, non_blocking=True)
             self._offloaded = torch.cuda.Event()
-            self._offloaded.record(torch.cuda.current_stream(t.device))
+            self._offloaded.record(stream)
+        t.record_stream(stream)
         return host
 
     def _to_device(self, t: torch.Tensor, device) -> torch.Tensor:
         device = torch.device(device)
         if device.type != "cuda":
             return t.to(device, copy=True)
-        # CUDA: on a side stream, so the copy runs while the current stream computes the layer
+        # CUDA: on the side stream, so the copy runs while the current stream computes the layer
         # above; it first waits for the copies to the host (the pinned buffer must be written)
-        stream = self.copy_streams.get(device.index or 0)
-        if stream is None:
-            stream = self.copy_streams[device.index or 0] = torch.cuda.Stream(device)
+        stream = self._side_stream(device)
         if self._offloaded is not None:
             stream.wait_event(self._offloaded)
         with torch.cuda.stream(stream):
@@ -437,15 +457,38 @@ class OffloadedAdamW:
     own step count, which the bias corrections use, does not advance: torch's semantics.
     Parameters that do not require a gradient (frozen) are not taken.
 
+    ``params`` are parameters or, as for torch's optimizers, param groups: dicts with "params"
+    and any of ``lr``, ``betas``, ``eps``, ``weight_decay`` overriding the defaults for that group
+    (e.g. no weight decay on biases and norms). Parameters may differ in dtype.
+
     ``master``, ``exp_avg``, ``exp_avg_sq``: the host tensors, one per parameter, in order;
-    ``param_steps``: each one's step count; ``moved_bytes``: bytes sent over the link so far,
-    both ways."""
+    ``param_groups``: the groups with their options; ``options[i]``: parameter i's
+    (lr, betas, eps, weight_decay); ``param_steps``: each one's step count; ``moved_bytes``:
+    bytes sent over the link so far, both ways. ``step`` writes the parameters (in place) and
+    sets no ``.grad``."""
+
+    OPTIONS = ("lr", "betas", "eps", "weight_decay")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
-        self.params = [p for p in params if p.requires_grad]
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = []
+        for group in groups:
+            unknown = set(group) - {"params", *self.OPTIONS}
+            if unknown:
+                raise ValueError(f"recompute: OffloadedAdamW param group with unknown options {sorted(unknown)}")
+            tensors = group["params"]
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            options = {name: group.get(name, defaults[name]) for name in self.OPTIONS}
+            self.param_groups.append({"params": [p for p in tensors if p.requires_grad], **options})
+        self.params = [p for group in self.param_groups for p in group["params"]]
         if not self.params:
             raise ValueError("recompute: OffloadedAdamW got no parameter that requires a gradient")
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        if len({id(p) for p in self.params}) != len(self.params):
+            raise ValueError("recompute: OffloadedAdamW got a parameter twice (in two groups, or twice in one)")
+        self.options = [tuple(group[name] for name in self.OPTIONS) for group in self.param_groups for _ in group["params"]]
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # the defaults
         self.steps, self.moved_bytes = 0, 0
         self.param_steps = [0] * len(self.params)  # per parameter, as torch's: steps it had a gradient
         pin = torch.cuda.is_available()
@@ -463,20 +506,20 @@ class OffloadedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
-        beta1, beta2 = self.betas
         for i, (p, w, m, v) in enumerate(zip(self.params, self.master, self.exp_avg, self.exp_avg_sq)):
             if p.grad is None:  # no gradient this step: untouched, and its step count stays (as torch's)
                 continue
+            lr, (beta1, beta2), eps, weight_decay = self.options[i]  # its group's
             # BEGIN SOLUTION recompute.optimizer_offload: this parameter's step count + 1 (bias corrections from it); grad to the host as fp32; w *= 1 - lr wd; m, v updated; w -= lr/c1 * m / (sqrt(v)/sqrt(c2) + eps); p.copy_(w) back; count the bytes both ways
             self.param_steps[i] += 1
             correction1, correction2 = 1 - beta1 ** self.param_steps[i], 1 - beta2 ** self.param_steps[i]
             grad = p.grad.to("cpu", torch.float32)
             self.moved_bytes += p.grad.nbytes
-            w.mul_(1 - self.lr * self.weight_decay)
+            w.mul_(1 - lr * weight_decay)
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)
-            w.addcdiv_(m, denominator, value=-self.lr / correction1)
+            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)
+            w.addcdiv_(m, denominator, value=-lr / correction1)
             p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4
             self.moved_bytes += p.nbytes
             # END SOLUTION
@@ -484,26 +527,35 @@ class OffloadedAdamW:
 
 # ----------------------------------------------------------------------------- accumulation
 
-def accumulate(model: nn.Module, micro_batches, loss_fn, group=None) -> torch.Tensor:
+def accumulate(model: nn.Module, micro_batches, loss_fn, group=None, ignore_index: int = -100) -> torch.Tensor:
     """Forward and backward of every micro-batch in ``micro_batches`` (a list of (x, y)), one at
-    a time. ``loss_fn(model, x, y)`` is the mean loss over the micro-batch's tokens, and a
-    micro-batch holds ``y.numel()`` of them; micro-batches may differ in size, so each loss is
-    weighted by its share of this rank's tokens, ``y.numel() / T`` (with equal sizes, 1/m). The
-    gradient left is that of the mean over every token of this rank's micro-batches, as one
-    batch of them all would give. Then, when ``group`` (default: every rank) has N > 1 ranks,
-    one all-reduce per parameter gradient over ``group`` (SUM, then / N: gloo has no AVG): the
-    ranks' gradients averaged, each rank weighing the same (as DDP does, whatever its token
-    count). Parameters without a gradient (frozen, or unused in the forward) are left alone.
-    Returns this rank's token-weighted mean loss (detached)."""
+    a time. ``loss_fn(model, x, y)`` is the mean loss over the micro-batch's *counted* targets,
+    those of ``y`` that are not ``ignore_index`` (``F.cross_entropy``'s mean: padding is not in
+    it). A micro-batch holds c_i = ``(y != ignore_index).sum()`` of them, not ``y.numel()``;
+    micro-batches may differ in length and in padding, so each loss is weighted by its share
+    c_i / C of this rank's C counted targets (with equal, unpadded sizes, 1/m). The gradient
+    left is that of the mean over every counted target of this rank's micro-batches, as one
+    batch of them all would give. A micro-batch with no counted target is skipped (its mean is
+    0/0; it weighs 0); a rank with none at all raises ValueError before anything runs.
+    Then, when ``group`` (default: every rank) has N > 1 ranks, one all-reduce per parameter
+    gradient over ``group`` (SUM, then / N: gloo has no AVG): the ranks' gradients averaged,
+    each rank weighing the same (as DDP does, whatever its token count). Parameters without a
+    gradient (frozen, or unused in the forward) are left alone. Returns this rank's
+    token-weighted mean loss (detached). Writes the parameters' ``.grad`` (accumulates)."""
     m = len(micro_batches)
     if m < 1:
         raise ValueError("recompute: accumulate needs at least one micro-batch")
     n = dist.get_world_size(group) if dist.is_initialized() else 1
-    tokens = sum(y.numel() for _, y in micro_batches)
+    counted = [int((y != ignore_index).sum()) for _, y in micro_batches]
+    tokens = sum(counted)
+    if tokens == 0:
+        raise ValueError(f"recompute: accumulate got no target that is not ignore_index={ignore_index}")
     total = torch.zeros(())
-    # BEGIN SOLUTION recompute.accumulate: backward of loss x (its tokens / all tokens) per micro-batch (nothing communicated); after the last, all_reduce each parameter's grad over group and divide by N
-    for x, y in micro_batches:
-        loss = loss_fn(model, x, y) * (y.numel() / tokens)
+    # BEGIN SOLUTION recompute.accumulate: backward of loss x (its counted targets / all counted targets) per micro-batch with any (nothing communicated); after the last, all_reduce each parameter's grad over group and divide by N
+    for (x, y), count in zip(micro_batches, counted):
+        if count == 0:
+            continue
+        loss = loss_fn(model, x, y) * (count / tokens)
         loss.backward()
         total = total + loss.detach()
     if n > 1:

@@ -89,8 +89,9 @@ def test_peak_memory_reads_the_cuda_allocator():
 
 
 def test_offload_pool_cuda_path():
-    """OffloadPool on CUDA (issue 34 item 5): the copies back run on the pool's side stream, the
-    gradients equal those without offloading, and forward leaves less on the device."""
+    """OffloadPool on CUDA (issue 34 item 5, issue 42 item 3): the copies both ways run on the
+    pool's side stream, the gradients equal those without offloading, and forward leaves less on
+    the device."""
     from labkit.check import assert_close
     from labkit.models import GPTConfig
     from labkit.recompute import OffloadPool, memory_gpt, offloaded_forward
@@ -115,6 +116,33 @@ def test_offload_pool_cuda_path():
     assert held["offloaded"] < held["plain"], held
     streams = held["offloaded_pool"].copy_streams
     assert streams and all(s != torch.cuda.current_stream() for s in streams.values()), streams
+    # issue 42: every copy between host and device, forward's to the host included, on the side stream
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostDeviceCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.streams = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            devices = {a.device.type for a in args if isinstance(a, torch.Tensor)} | (
+                {torch.device(kwargs["device"]).type} if kwargs.get("device") is not None else set())
+            if func.__name__.startswith(("copy_", "_to_copy")) and devices == {"cpu", "cuda"}:
+                self.streams.append(torch.cuda.current_stream())
+            return func(*args, **(kwargs or {}))
+
+    model, pool = memory_gpt(config).cuda(), held["offloaded_pool"]
+    with HostDeviceCopies() as copies:
+        loss = offloaded_forward(model, pool, x, y)[1]
+        offloads = len(copies.streams)
+        loss.backward()
+    torch.cuda.synchronize()
+    side = set(streams.values())
+    assert offloads and len(copies.streams) > offloads, (offloads, len(copies.streams))
+    assert all(s in side for s in copies.streams), (
+        f"OffloadPool on CUDA: {sum(s not in side for s in copies.streams)} of {len(copies.streams)} host-device "
+        f"copies ran outside the side stream (forward's first {offloads} are the offloads)")
     for i, (got, want) in enumerate(zip(held["offloaded_grads"], held["plain_grads"])):
         assert_close(got, want, f"OffloadPool on CUDA: gradient of parameter {i}", rtol=1e-4, atol=1e-6)
 

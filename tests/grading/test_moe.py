@@ -43,6 +43,12 @@ bytes max(sent, received) x H x element size from the reference routing. Three s
 AdamW, and of momentum SGD with a frozen gate, against the reference's. Bad input raises
 ValueError before any communication.
 
+moe.layer, drawn (``test_layer_drawn``): 6 configurations per world size (2, 3) drawn from the
+whole documented space with a new seed each run (printed as LABKIT_SEED; ``LABKIT_LONG=1``: 40):
+E/N from 1 to 3, k from 1 to E, dropless or any capacity factor, the four dtypes, H and F from
+1 to 9, [B, T, H] inputs of each rank's own shape, even or skewed routing; a random incoming
+gradient for y and random weights on aux and z-loss; then a second call with other shapes.
+
 moe.ep_dp: a 2-layer MoE GPT (labkit.models) trained 3 steps with the learner's EP layer on
 every grid of the world (4 = 2x2, 4x1, 1x4; 3 = 3x1, 1x3; 2 = 2x1, 1x2) in three cases, all
 three on the first grid of each world size and one each, in turn, on the others: k = 2
@@ -62,16 +68,22 @@ bias that changes some tokens' choice (checked): the experts are the top-k of pr
 float32, highest biased score first; the weights the *unbiased* probabilities of those
 experts (renormalised for k >= 2, not for k = 1) against a float64 reference; logits and
 probs; dtypes; the gate's gradient of a task loss is the reference's (the bias never enters
-a weight) and the bias gets none. ``BiasBalancer.update`` with gamma = 0.01 (not the
-default) over 4 steps of counts built so that the group's load has ties with its mean (sign
-0), differences larger than 1 (sign, not difference) and a rank's own counts of another sign
-pattern than the group's, against a loop in the test: the bias after each step, float32, the
-same tensor returned, the caller's counts unchanged, bitwise identical on every rank of the group, one all-reduce of E
-int64 in the group per update; on the world and the subgroups (N = 3: {0, 1} with rank 2 a
-bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}). ``BiasBalancer.route`` on a
-skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens, against the
-loop: step s's experts chosen with the bias of steps 1 ... s-1, then the bias updated with
-the group's choices.
+a weight) and the bias gets none. ``BiasBalancer.count`` then ``update()`` with gamma = 0.01
+(not the default) over 4 steps of counts built so that the group's load has ties with its
+mean (sign 0), differences larger than 1 (sign, not difference) and a rank's own counts of
+another sign pattern than the group's, against a loop in the test: counts added over two
+routings ([T, 2] and [T, 1]) with nothing communicated, then the bias after each update,
+float32, the same tensor returned, the counts zeroed, bitwise identical on every rank of the
+group, one all-reduce of E int64 in the group per update; on the world and the subgroups
+(N = 3: {0, 1} with rank 2 a bystander; N = 4: pairs {0, 1}, {2, 3} and {0, 2}, {1, 3}).
+``BiasBalancer.route`` in a training loop (issue 42: the bias used to move at every call) on a
+skewed gate over 4 steps at k = 1, 2, 3 in float64, each rank its own tokens: per step three
+micro-batches of 13, 7 and 10 tokens, the first through a reentrant checkpoint (as
+``torch.utils.checkpoint(use_reentrant=True)``: its routing runs again in backward), each loss scaled before backward, and an evaluation
+routing under no_grad; every routing of the step (recompute and evaluation included) chooses
+with the bias of steps 1 ... s-1, the gate's gradient summed over the micro-batches is the
+reference's, ``counts`` hold each micro-batch once, nothing is communicated before
+``update()``, which is one all-reduce and moves the bias by the group's load of the whole step.
 
 moe.shared_overlap: shared experts (DeepSeekMoE) computed while the all-to-alls are in flight.
 ``AllToAllOverlap`` on its own, on the world and the subgroups, in the four dtypes, with uneven
@@ -101,6 +113,8 @@ absolute tolerance is raised to rtol x the largest |expected| of the tensor (``n
 
 import copy
 import math
+import os
+import random
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -548,6 +562,94 @@ def layer_on_rank() -> None:
                 near(layer.gate, ref[0], f"{what}, after step {step + 1}: gate")
 
 
+# ----------------------------------------------------------------------------- the layer, drawn configurations
+
+LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
+
+
+def run_seed() -> int:
+    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
+    one); printed, and every message of a drawn case names it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
+    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
+    return seed
+
+
+def drawn_layer_case(draw: random.Random, m: int) -> dict:
+    """One configuration of ``ExpertParallelMoE`` from its documented space, for a group of m:
+    E/N experts per rank (1-3), any k from 1 to E, dropless or a capacity factor in (0, 2.5],
+    any of the four dtypes, H and F from 1 to 9, each rank its own [B, T, H] input (B 1-3,
+    T 1-6), routing even or skewed."""
+    local = draw.randint(1, 3)
+    num_experts = m * local if m > 1 else draw.randint(1, 5)
+    return dict(num_experts=num_experts, k=draw.randint(1, num_experts),
+                factor=None if draw.random() < 0.35 else round(draw.uniform(0.05, 2.5), 2),
+                dtype=draw.choice(DTYPES), hidden=draw.randint(1, 9), ffn=draw.randint(1, 9),
+                shapes=[(draw.randint(1, 3), draw.randint(1, 6)) for _ in range(m)],
+                again=[(draw.randint(1, 3), draw.randint(1, 6)) for _ in range(m)],
+                uneven=draw.random() < 0.3, salt=draw.randrange(2 ** 31))
+
+
+def layer_drawn_on_rank(seed: int, cases: int) -> None:
+    """``ExpertParallelMoE`` on configurations drawn from its whole documented space (a new seed
+    each run), on the world and, at N = 3, the pair {0, 1}: forward and backward with a random
+    incoming gradient for y and random weights on aux and z-loss, against ``reference_moe``
+    (output, aux, z, input, expert and gate gradients); then the same layer called again on
+    inputs of other shapes (nothing cached from the first call)."""
+    from labkit.moe import ExpertParallelMoE, init_experts, reference_moe
+    rank = dist.get_rank()
+    groups = groups_of_world()[:2]
+    for case in range(cases):
+        draw = random.Random(seed * 1_000_003 + case)  # the same draws on every rank
+        group_name, members, group = groups[draw.randrange(len(groups))]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        c = drawn_layer_case(draw, m)
+        num_experts, k, factor, dtype, hidden, ffn = (c[key] for key in ("num_experts", "k", "factor", "dtype", "hidden", "ffn"))
+        local = num_experts // m
+        what = (f"moe.layer (drawn case {case}, LABKIT_SEED={seed}): rank {rank}, {group_name}, E={num_experts}, k={k}, "
+                f"capacity factor {factor}, {NAMES[dtype]}, H={hidden}, F={ffn}, inputs {c['shapes']}"
+                f"{', skewed routing' if c['uneven'] else ''}")
+        layer = ExpertParallelMoE(hidden, ffn, num_experts, k, factor, group=group, seed=c["salt"] % 997, dtype=dtype)
+        gate, w1, w2 = init_experts(num_experts, hidden, ffn, c["salt"] % 997, dtype)
+        if c["uneven"]:
+            gate = skewed_gate(gate)
+            with torch.no_grad():
+                layer.gate.copy_(gate)
+        for call, shapes in (("first call", c["shapes"]), ("second call, other shapes", c["again"])):
+            gen = torch.Generator().manual_seed(c["salt"] + (call != "first call"))
+            xs = [(torch.randn(b, t, hidden, generator=gen, dtype=torch.float64)
+                   + (UNEVEN_SHIFT if c["uneven"] else 0.0)).to(dtype).requires_grad_(True) for b, t in shapes]
+            gs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype) for b, t in shapes]
+            a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
+            where = f"{what}, {call} on inputs {shapes}"
+            ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
+            ref_total = 0
+            for r, (x, g) in enumerate(zip(xs, gs)):
+                y, aux, z = reference_moe(x, *ref, k, factor)
+                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            layer.zero_grad()
+            x = xs[me].detach().clone().requires_grad_(True)
+            y, aux = layer(x)
+            assert y.shape == x.shape and y.dtype == dtype, f"{where}: y must be {dtype} {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}"
+            torch.autograd.backward([y, aux, layer.z_loss], [gs[me], torch.tensor(a_aux, dtype=aux.dtype),
+                                                             torch.tensor(a_z, dtype=layer.z_loss.dtype)])
+            near(y, ref_y, where + ": output vs one process holding every expert")
+            near(aux, ref_aux, where + ": load-balancing loss")
+            near(layer.z_loss, ref_z, where + ": z-loss")
+            near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
+            mine = slice(me * local, (me + 1) * local)
+            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my experts")
+            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my experts")
+            gate_grad = layer.gate.grad.clone()
+            dist.all_reduce(gate_grad, group=group)
+            near(gate_grad, ref[0].grad, where + ": gate gradient summed over the group")
+
+
 # ----------------------------------------------------------------------------- EP x DP
 
 GPT_MOE = dict(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8)
@@ -724,60 +826,157 @@ def bias_balance_on_rank() -> None:
         if rank not in members:
             continue
         m, me = len(members), members.index(rank)
-        # update against a loop
-        what = f"moe.bias_balance: BiasBalancer.update on rank {rank}, {group_name}, gamma={B_GAMMA}"
+        # update against a loop: the counts arrive through count(), the update is one all-reduce
+        what = f"moe.bias_balance: BiasBalancer.count/update on rank {rank}, {group_name}, gamma={B_GAMMA}"
         balancer = BiasBalancer(B_EXPERTS, gamma=B_GAMMA, group=group)
+        assert balancer.counts.dtype == torch.int64 and torch.equal(balancer.counts, torch.zeros(B_EXPERTS, dtype=torch.int64)), \
+            f"{what}: counts must start as int64 zeros [E], got {balancer.counts}"
         ref, differ = torch.zeros(B_EXPERTS), 0
         for step in range(len(B_LOADS)):
             counts = bias_counts(step, me, m)
             local, glob = counts.double(), torch.tensor(B_LOADS[step], dtype=torch.float64)
             differ += not torch.equal(torch.sign(local.mean() - local), torch.sign(glob.mean() - glob))
-            before = counts.clone()
-            with CommTracer() as tracer:
-                got = balancer.update(counts)
-            assert torch.equal(counts, before), \
-                f"{what}, step {step + 1}: update must leave the caller's counts as they were, got {counts.tolist()} from {before.tolist()}"
-            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
+            # this rank's choices as two [T, k] routings (k = 1 and k = 2), shuffled: counts add up
+            chosen = torch.repeat_interleave(torch.arange(B_EXPERTS), counts)
+            chosen = chosen[torch.randperm(chosen.numel(), generator=torch.Generator().manual_seed(step))]
+            half = chosen.numel() // 4 * 2  # an even share as [T, 2], the rest as [T, 1]
             where = f"{what}, step {step + 1}, group load {B_LOADS[step]}, my counts {counts.tolist()}"
+            with CommTracer() as tracer:
+                balancer.count(chosen[:half].reshape(-1, 2))
+                balancer.count(chosen[half:].reshape(-1, 1))
+            assert_ops(tracer, [], where + ": count communicates nothing")
+            assert torch.equal(balancer.counts, counts), \
+                f"{where}: counts after count() of this rank's choices: got {balancer.counts.tolist()}, want {counts.tolist()}"
+            with CommTracer() as tracer:
+                got = balancer.update()
+            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
             assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
             assert balancer.bias.dtype == torch.float32 and balancer.bias.shape == (B_EXPERTS,), \
                 f"{where}: bias must be float32 [E], got {balancer.bias.dtype} {tuple(balancer.bias.shape)}"
             assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over the group",
                          rtol=0, atol=1e-6)
+            assert torch.equal(balancer.counts, torch.zeros_like(counts)), \
+                f"{where}: update must zero the counts for the next step, got {balancer.counts.tolist()}"
             assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)],
                             where + f" (one all-reduce of the E int64 counts in group {members})")
             every = [torch.empty_like(balancer.bias) for _ in members]
             dist.all_gather(every, balancer.bias.clone(), group=group)
             assert all(torch.equal(b, balancer.bias) for b in every), f"{where}: the bias differs between ranks of the group"
         assert m == 1 or differ >= 2, f"test set-up: rank {rank}'s own counts should differ in sign from the group's, {differ} steps"
-        # route with the balancer over steps: route first, then update with the group's choices
         for k in (1, 2, 3):
-            what = f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}, gamma=0.05, skewed gate"
-            balancer = BiasBalancer(B_EXPERTS, gamma=0.05, group=group)
-            gen = torch.Generator().manual_seed(7000 + k)
-            gate = torch.randn(B_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
-            gate[0] += 1.5 / math.sqrt(R_HIDDEN)  # mildly skewed towards expert 0 (no probability rounds away next to the bias)
-            ref, changed = torch.zeros(B_EXPERTS), False
-            for step in range(4):
-                xs = [0.5 * torch.randn(R_TOKENS, R_HIDDEN, generator=torch.Generator().manual_seed(100 * step + j),
-                                        dtype=torch.float64) for j in range(m)]
-                experts, weights, _, _ = balancer.route(xs[me], gate, k)
-                picks = []
-                for j in range(m):
-                    p = ref_softmax(xs[j] @ gate.t())
-                    biased = torch.sort(p.float() + ref, dim=1, descending=True, stable=True)
-                    assert (biased.values[:, k - 1] - biased.values[:, k] > 1e-5).all(), "test set-up: no near tie at the k-th choice"
-                    picks.append(biased.indices[:, :k])
-                    changed |= not torch.equal(picks[-1], p.argsort(dim=1, descending=True, stable=True)[:, :k])
-                where = f"{what}, step {step + 1}"
-                assert torch.equal(experts, picks[me]), \
-                    f"{where}: experts must be chosen with the bias of the earlier steps\n got {experts.tolist()}\n want {picks[me].tolist()}"
-                near(weights, ref_weights(gate, xs[me], experts, k), where + ": weights (unbiased)")
-                load = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for t in picks)
-                ref = ref_bias_step(ref, load, 0.05)
-                assert_close(balancer.bias, ref, where + f": bias after the update with the group's load {load.tolist()}",
-                             rtol=0, atol=1e-6)
-            assert changed, "test set-up: the bias should change some choices"
+            balancer_steps(balancer_cls=BiasBalancer, group=group, members=members, me=me, k=k,
+                           what=f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}")
+
+
+MICRO_TOKENS = (13, 7, 10)  # tokens of each micro-batch of a step: different lengths
+
+
+class Recomputed(torch.autograd.Function):
+    """Reentrant activation recomputation, as ``torch.utils.checkpoint(use_reentrant=True)`` and
+    Megatron-Core's ``CheckpointFunction`` do it (written out here: tests set up torch's built-ins
+    only through labkit.oracles): ``fn(*args)`` runs under no_grad in forward and again, recording,
+    in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn = fn
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        args = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*args)
+        torch.autograd.backward(out, grad)
+        return (None,) + tuple(a.grad if a.requires_grad else None for a in args)
+
+
+def clear_tokens(t: int, gate64, bias, k: int, seed: int) -> torch.Tensor:
+    """t tokens [t, H] float64 whose k-th and (k+1)-th biased scores are at least 1e-4 apart
+    (drawn, near ties dropped): a float32 rounding cannot swap a choice."""
+    pool = 0.5 * torch.randn(8 * t, R_HIDDEN, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    scores = torch.sort(ref_softmax(pool @ gate64.t()).float() + bias, dim=1, descending=True).values
+    clear = pool[scores[:, k - 1] - scores[:, k] > 1e-4]
+    assert clear.shape[0] >= t, "test set-up: too few tokens without a near tie"
+    return clear[:t]
+
+
+def balancer_steps(balancer_cls, group, members, me, k, what) -> None:
+    """``BiasBalancer.route`` in a training loop as DeepSeek-V3 and Megatron-Core run it: per
+    step three micro-batches of different lengths, the first through a reentrant checkpoint
+    (its routing recomputed in backward), the others plain, a loss scaled by a random incoming
+    gradient, and an evaluation routing under no_grad; ``update()`` after the last backward.
+    Against a float64 loop: every routing of the step (forward, recompute, evaluation) chooses
+    with the bias of the earlier steps; the gate's gradient is the reference's (the recompute
+    chose the forward's experts); ``counts`` before the update hold each micro-batch's choices
+    once (the recompute and the evaluation not again); nothing is communicated until the
+    update, which is one all-reduce of E int64s in the group."""
+    m = len(members)
+    balancer = balancer_cls(B_EXPERTS, gamma=0.05, group=group)
+    gen = torch.Generator().manual_seed(7000 + k)
+    gate64 = torch.randn(B_EXPERTS, R_HIDDEN, generator=gen, dtype=torch.float64)
+    gate64[0] += 1.5 / math.sqrt(R_HIDDEN)  # mildly skewed towards expert 0 (no probability rounds away next to the bias)
+    gate = gate64.clone().requires_grad_(True)
+    ref, changed = torch.zeros(B_EXPERTS), False
+    for step in range(4):
+        where = f"{what}, step {step + 1}"
+        xs = [[clear_tokens(t, gate64, ref, k, seed=1000 * step + 10 * j + i) for i, t in enumerate(MICRO_TOKENS)]
+              for j in range(m)]
+        picks = []
+        for j in range(m):  # the reference's choices: every micro-batch with the bias of the earlier steps
+            mine = []
+            for x in xs[j]:
+                p = ref_softmax(x @ gate64.t())
+                biased = torch.sort(p.float() + ref, dim=1, descending=True, stable=True)
+                assert (biased.values[:, k - 1] - biased.values[:, k] > 1e-5).all(), "test set-up: no near tie at the k-th choice"
+                mine.append(biased.indices[:, :k])
+                changed |= not torch.equal(mine[-1], p.argsort(dim=1, descending=True, stable=True)[:, :k])
+            picks.append(mine)
+        gate.grad = None
+        ref_grad = torch.zeros_like(gate64)
+        seen = []
+
+        def routed(x, g):
+            experts, weights, _, _ = balancer.route(x, g, k)
+            seen.append(experts.clone())
+            return weights
+
+        with CommTracer() as tracer:
+            for i, x in enumerate(xs[me]):
+                c = torch.randn(x.shape[0], k, generator=torch.Generator().manual_seed(50 + i), dtype=torch.float64)
+                scale = 0.5 + i  # a loss scaled before backward
+                x = x.clone().requires_grad_(True)
+                weights = Recomputed.apply(routed, x, gate) if i == 0 else routed(x, gate)
+                ((weights * c).sum() * scale).backward()
+                g = gate64.clone().requires_grad_(True)
+                ref_grad += torch.autograd.grad((ref_weights(g, xs[me][i], picks[me][i], k) * c).sum() * scale, g)[0]
+            with torch.no_grad():  # an evaluation forward: routes with the same bias, counts nothing
+                experts, _, _, _ = balancer.route(xs[me][1], gate, k)
+                seen.append(experts)
+        # forward of micro-batch 1 (under no_grad), its recompute in its backward, 2, 3, the evaluation of 2
+        want = [picks[me][0], picks[me][0], picks[me][1], picks[me][2], picks[me][1]]
+        names = ["micro-batch 1 (checkpointed forward)", "micro-batch 1's recompute in backward", "micro-batch 2",
+                 "micro-batch 3", "an evaluation routing of micro-batch 2 under no_grad"]
+        assert len(seen) == len(want), f"{where}: {len(seen)} routings seen, want {len(want)}"
+        for got, exp, name in zip(seen, want, names):
+            assert torch.equal(got, exp), (f"{where}, {name}: experts must be chosen with the bias of the earlier steps "
+                                           f"(the bias changes only in update())\n got {got.tolist()}\n want {exp.tolist()}")
+        near(gate.grad, ref_grad, where + ": gate gradient over the micro-batches (the recompute must route as the forward)")
+        assert_ops(tracer, [], where + ": routing and backward communicate nothing (the update comes after the step)")
+        mine = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for t in picks[me])
+        assert torch.equal(balancer.counts, mine), (
+            f"{where}: counts before the update must hold each micro-batch's choices once (not the recompute's, not "
+            f"the evaluation's): got {balancer.counts.tolist()}, want {mine.tolist()}")
+        with CommTracer() as tracer:
+            balancer.update()
+        assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)], where + ": update is one all-reduce of E int64s")
+        load = sum(torch.bincount(t.reshape(-1), minlength=B_EXPERTS) for mine in picks for t in mine)
+        ref = ref_bias_step(ref, load, 0.05)
+        assert_close(balancer.bias, ref, where + f": bias after the update with the group's load {load.tolist()} "
+                     "(every micro-batch of every rank)", rtol=0, atol=1e-6)
+    assert changed, "test set-up: the bias should change some choices"
 
 
 # ----------------------------------------------------------------------------- shared experts, overlapped
@@ -1058,6 +1257,12 @@ def test_dispatch(world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_layer(world_size):
     run_graded("moe.layer", layer_on_rank, world_size)
+
+
+@task("moe.layer", points=1)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_layer_drawn(world_size):
+    run_graded("moe.layer", layer_drawn_on_rank, world_size, run_seed(), 40 if LONG else 6, timeout=300 if LONG else 90)
 
 
 @task("moe.ep_dp", points=2)

@@ -32,18 +32,28 @@ numbers the code under test reports. Then, per task:
   frozen parameter (not taken), an unused one (never a gradient) and one with a gradient on even
   steps only (its own step count drives its bias corrections, as torch's); fp32 master and
   moments on the host (12 bytes per trainable parameter); parameters equal to their master cast;
+  then (issue 39) on an emulated device (``Link``: device tensors that raise when mixed with
+  host ones, every host-device copy measured) with bf16, fp16 and fp32 parameters at once:
+  the bytes down and up measured each step (each gradient and each parameter once, in its
+  dtype), ``moved_bytes`` grown by exactly that;
 * accumulate: at world sizes 3 and 4 (1 a diagnostic), over every rank and over rank pairs
   ({0,1}/{2,3}; {0,2}/{1}), m = 1, 2, 3 micro-batches, equal and unequal in size, 3 steps each,
   a frozen and an unused parameter: gradients equal to one batch of each rank's micro-batches
   (the mean over its tokens), averaged over the group's ranks; the loss returned; nothing
-  communicated before the last micro-batch, then one all-reduce per gradient over the group.
+  communicated before the last micro-batch, then one all-reduce per gradient over the group;
+  then (issue 42) micro-batches of 8, 5 and 3 tokens right-padded with ignore_index (-100 and -1),
+  one wholly padded: weights by the counted targets, not y.numel().
 """
+
+import os
+import random
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
@@ -55,6 +65,26 @@ from labkit.oracles import builtin_checkpoint
 DROPOUT, STEPS, STREAM_STEPS = 0.2, 5, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 SHAPES = [(8, 2, 16, 2), (12, 3, 16, 4), (6, 1, 32, 2)]  # (s, b, h, a) for the byte counts
+
+
+LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
+
+
+def run_seed() -> int:
+    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
+    one); printed, and every message of a drawn case names it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
+    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
+    return seed
+
+
+def examples(ci: int, long: int) -> int:
+    return long if LONG else ci
+
+
+def drawn(seed: int, case: int) -> random.Random:
+    """Case ``case``'s own sampler, the same on every rank (not the global ``random``)."""
+    return random.Random(seed * 1_000_003 + case)
 
 
 def tokens(rank: int, step: int, batch: int = 3, seq: int = 8):
@@ -247,6 +277,35 @@ def checkpoint_api(rank) -> None:
             assert_close(got, want, f"{what}: {name} vs fn without checkpointing")
         assert results[1][2] is None, f"{what}: the mask (requires no gradient) got a gradient"
         assert torch.equal(results[1][1], results[0][1]), f"{what}: the global RNG stream is not where fn leaves it"
+    # integer tensors (token ids, positions) through a checkpointed function: no gradient for them, no
+    # error; a random incoming gradient; then a second call with other shapes (nothing kept from the first)
+    emb, pos = nn.Embedding(11, 6).double(), nn.Embedding(9, 6).double()
+
+    def embed(x, ids, positions, scale):
+        h = emb(ids) + pos(positions) + x
+        return (lin(h) * scale).tanh()
+
+    for b, t in ((2, 5), (3, 9), (1, 1)):
+        ids = torch.randint(0, 11, (b, t), generator=gen)
+        positions = torch.arange(t).expand(b, t)
+        x = torch.randn(b, t, 6, dtype=torch.float64, generator=gen)
+        g = torch.randn(b, t, 6, dtype=torch.float64, generator=gen)
+        got = []
+        for run in (embed, lambda *args: Checkpoint.apply(embed, *args)):
+            for m in (emb, pos, lin):
+                m.zero_grad()
+            xi = x.clone().requires_grad_(True)
+            out = run(xi, ids, positions, 0.7)
+            out.backward(g)
+            got.append([out.detach(), xi.grad, emb.weight.grad.clone(), pos.weight.grad.clone(), lin.weight.grad.clone()])
+        what = (f"recompute.checkpoint: rank {rank}, Checkpoint.apply(fn, x, ids (int64), positions (int64), 0.7) on "
+                f"[{b}, {t}] tokens, a random incoming gradient")
+        for name, mine, want in zip(("output", "x.grad", "token embedding grad", "position embedding grad",
+                                     "linear weight grad"), got[1], got[0]):
+            assert mine is not None, f"{what}: {name} is None"
+            assert_close(mine, want, f"{what}: {name} vs fn without checkpointing")
+        assert ids.grad is None and positions.grad is None and not ids.requires_grad, \
+            f"{what}: integer arguments get no gradient"
     # the inputs are kept through save_for_backward only, so saved-tensor hooks (offloading) see them:
     # under hooks that move what is saved, the caller's intermediate input is freed after forward
     x = x0.clone().requires_grad_(True) * 2  # an intermediate: only the caller holds it
@@ -552,7 +611,7 @@ def offload_on_rank() -> None:
 
 # ----------------------------------------------------------------------------- accumulate
 
-def accumulate_on_rank() -> None:
+def accumulate_on_rank(seed: int) -> None:
     from labkit.models import GPT
     from labkit.recompute import accumulate
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -613,6 +672,95 @@ def accumulate_on_rank() -> None:
                                                      "rank's micro-batches (mean over its tokens), ranks averaged")
                 opt.step()
                 ref_opt.step()
+    accumulate_padded(rank, n, seed)
+
+
+ACC_SHAPES = [(2, 8, 3), (3, 5, 4), (2, 3, 3)]   # (rows, sequence length, most padded positions) per micro-batch
+
+
+def padded_batches(rank: int, step: int, ignore_index: int):
+    """Rank ``rank``'s micro-batches at ``step``: ``ACC_SHAPES``, each row's targets ending in
+    0 ... pad positions of ``ignore_index`` (right-padded sequences of other lengths); at step 1
+    rank 0's last micro-batch is padding only (it weighs 0)."""
+    out = []
+    for j, (rows, seq, pad) in enumerate(ACC_SHAPES):
+        gen = torch.Generator().manual_seed(9000 + 100 * rank + 10 * step + j)
+        x, y = tokens(rank, 20 * step + j, batch=rows, seq=seq)
+        y = y.clone()
+        for row in range(rows):
+            cut = int(torch.randint(0, pad + 1, (), generator=gen))
+            if cut:
+                y[row, seq - cut:] = ignore_index
+        out.append((x, y))
+    if rank == 0 and step == 1:
+        out[-1] = (out[-1][0], torch.full_like(out[-1][1], ignore_index))
+    return out
+
+
+def drawn_batches(seed: int, case: int, rank: int, ignore_index: int):
+    """Drawn case ``case``'s micro-batches of rank ``rank``: 1-4 of them, each 1-3 rows of 1-8
+    tokens (its own length), each row right-padded by a drawn number of ``ignore_index``
+    targets (a whole micro-batch may be padding, never all of a rank's)."""
+    draw = random.Random((seed * 1_000_003 + case) * 31 + rank)
+    out = []
+    for j in range(draw.randint(1, 4)):
+        rows, seq = draw.randint(1, 3), draw.randint(1, 8)
+        x, y = tokens(rank, 1000 + 10 * case + j, batch=rows, seq=seq)
+        y = y.clone()
+        for row in range(rows):
+            cut = draw.randint(0, seq)
+            if cut:
+                y[row, seq - cut:] = ignore_index
+        out.append((x, y))
+    if all((y == ignore_index).all() for _, y in out):
+        out[0][1][0, 0] = 3  # at least one counted target on every rank
+    return out
+
+
+def accumulate_padded(rank: int, n: int, seed: int) -> None:
+    """Issue 42: padded targets. Micro-batches of different sequence lengths (8, 5, 3 tokens),
+    right-padded with ``ignore_index`` (-100, and -1 with a loss that ignores -1), one of them
+    wholly padded on rank 0 (it weighs 0), 2 steps over every rank: the gradient is that of the
+    sum of every counted target's loss over this rank's micro-batches divided by their count
+    (not by y.numel(), which counts the padding), averaged over the ranks; the loss returned.
+    Then configurations drawn with the run's seed: 1-4 micro-batches per rank of drawn rows,
+    lengths and padding, ignore_index -100, -1 or 0 (a class id)."""
+    import torch.nn.functional as F
+    from labkit.models import GPT
+    from labkit.recompute import accumulate
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16)
+
+    cases = [(ignore_index, step, None) for ignore_index in (-100, -1) for step in range(2)]
+    cases += [(random.Random(seed + i).choice((-100, -1, 0)), None, i) for i in range(examples(2, 30))]
+    model, ref = GPT(config, seed=6).double(), GPT(config, seed=6).double()
+    for ignore_index, step, case in cases:
+        def loss_fn(m, x, y, reduction="mean"):
+            return F.cross_entropy(m(x)[0].flatten(0, 1), y.flatten(), ignore_index=ignore_index, reduction=reduction)
+
+        def batches_of(r):
+            return padded_batches(r, step, ignore_index) if case is None else drawn_batches(seed, case, r, ignore_index)
+
+        batches = batches_of(rank)
+        counted = [int((y != ignore_index).sum()) for _, y in batches]
+        what = (f"recompute.accumulate: rank {rank} of {n}, ignore_index={ignore_index}, "
+                f"{f'step {step}' if case is None else f'drawn case {case} (LABKIT_SEED={seed})'}, micro-batches "
+                f"{[tuple(x.shape) for x, _ in batches]} with {counted} counted targets (the rest padding)")
+        if case is None:
+            assert sum(y.numel() for _, y in batches) > sum(counted), "test set-up: some targets should be padding"
+        model.zero_grad()
+        got = accumulate(model, batches, loss_fn, ignore_index=ignore_index)
+        # the reference: per rank, the summed loss of its counted targets / their count; ranks averaged
+        ref.zero_grad()
+        means = []
+        for r in range(n):
+            theirs = batches_of(r)
+            count = sum(int((y != ignore_index).sum()) for _, y in theirs)
+            means.append(sum(loss_fn(ref, x, y, "sum") for x, y in theirs) / count)
+        (sum(means) / n).backward()
+        assert_close(got, means[rank].detach(), f"{what}: the loss returned vs the mean over this rank's counted targets")
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, r.grad, f"{what}: gradient of {name} vs the mean over each rank's counted "
+                                         "targets (weights c_i / C with c_i the targets not ignored), ranks averaged")
 
 
 # ----------------------------------------------------------------------------- optimizer offload
@@ -669,6 +817,145 @@ def optimizer_offload_on_rank() -> None:
                                               f"{hyper} (each parameter's own step count)")
                 assert p.dtype == dtype and torch.equal(p.detach(), w.to(dtype)), (
                     f"{what}, step {step}: parameter {i} on the device must be its updated master cast to {dtype}")
+    optimizer_offload_link(rank)
+
+
+# ----------------------------------------------------------------------------- an emulated device and its link
+
+class OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on the accelerator (device ``meta`` here: a device type
+    that needs no driver). Only ``Link`` runs operations on it."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(), dtype=inner.dtype,
+                                                device=torch.device("meta"), requires_grad=inner.requires_grad)
+        t.inner = inner
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("OnDevice: an operation outside Link")
+
+    def __repr__(self):
+        return f"OnDevice({self.inner!r})"
+
+
+def _is_device(t) -> bool:
+    return isinstance(t, OnDevice)
+
+
+class Link(TorchDispatchMode):
+    """Runs every operation as a GPU would place it, and measures the traffic between host and
+    device: an operation on device tensors gives device tensors; one that mixes device and host
+    tensors (other than 0-d host scalars) raises, as CUDA does; ``copy_`` and ``.to(...)`` across
+    the link are logged as ("d2h" | "h2d", bytes). The bytes of a copy that also casts are those
+    of the dtype the transfer carries, as ATen's CUDA copy does (aten/src/ATen/native/cuda/Copy.cu):
+    a copy to the device converts on the host first (the destination's dtype crosses), a
+    blocking copy to the host converts after the transfer (the source's dtype crosses), a
+    non-blocking one converts on the device first (the destination's dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, int]] = []
+
+    def bytes(self, direction: str) -> int:
+        return sum(n for d, n in self.log if d == direction)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves, tree_map
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        inner = lambda a: a.inner if _is_device(a) else a
+        to_device = kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta"
+        if name == "_to_copy":
+            src = args[0]
+            target = to_device if kwargs.get("device") is not None else _is_device(src)
+            out = func(inner(src), **dict(kwargs, device=torch.device("cpu")))
+            if target != _is_device(src):
+                carried = out if target or kwargs.get("non_blocking") else src
+                self.log.append(("h2d" if target else "d2h", out.numel() * carried.element_size()))
+            return OnDevice(out) if target else out
+        if name == "copy_":
+            dst, src = args[0], args[1]
+            if _is_device(dst) != _is_device(src) and not (src.dim() == 0 and not _is_device(src)):
+                blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+                carried = src if not _is_device(dst) and blocking else dst
+                self.log.append(("h2d" if _is_device(dst) else "d2h", dst.numel() * carried.element_size()))
+            func(inner(dst), inner(src), *args[2:], **kwargs)
+            return dst
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        on = {_is_device(t) for t in tensors if _is_device(t) or t.dim() > 0}
+        if len(on) > 1:
+            raise RuntimeError(f"Link: {name} mixes device and host tensors (a GPU raises: expected all tensors on "
+                               "the same device)")
+        if kwargs.get("device") is not None:
+            kwargs = dict(kwargs, device=torch.device("cpu"))
+        out = func(*tree_map(inner, args), **tree_map(inner, kwargs))
+        if on != {True} and not to_device:
+            return out
+        if func._schema.is_mutable and args and _is_device(args[0]):
+            return args[0]
+        return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def optimizer_offload_link(rank: int) -> None:
+    """``OffloadedAdamW`` on an emulated device (``Link``): parameters of three dtypes at once
+    (bf16, fp16, fp32: 2 + 2 + 4 bytes) in two param groups (the second with its own lr, betas
+    and no weight decay), a frozen one, one without a gradient at step 2, random gradients, 3
+    steps; a parameter in two groups and an unknown option refused. The traffic is measured, not read from ``moved_bytes``: each step, down
+    exactly each gradient in its dtype, up exactly each parameter in its dtype (an update run on
+    the device, its fp32 state sent up and back, moves 4 bytes a parameter more each way and
+    fails); ``moved_bytes`` grows by the measured bytes; the master and moments stay host
+    tensors; master vs torch.optim.AdamW, parameters = master cast."""
+    from labkit.recompute import OffloadedAdamW
+    hyper = dict(lr=3e-2, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
+    gen = torch.Generator().manual_seed(300 + rank)
+    shapes = [((4, 3), torch.bfloat16), ((5,), torch.float16), ((2, 2), torch.float32), ((3,), torch.bfloat16)]
+    with Link() as link:
+        params = [nn.Parameter(OnDevice(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)))
+                  for shape, dtype in shapes]
+        params[3].requires_grad_(False)  # frozen: not the optimizer's
+        trained = params[:3]
+        ref_master = [p.inner.detach().float().clone().requires_grad_(True) for p in trained]
+        # two param groups with their own options (the second: no weight decay, another lr and betas)
+        second = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
+        ref_opt = torch.optim.AdamW([{"params": ref_master[:2]}, {"params": ref_master[2:], **second}], **hyper)
+        for bad in ([{"params": params[:2]}, {"params": params[1:3]}], [{"params": params[:2], "momentum": 0.9}]):
+            with pytest.raises(ValueError):
+                OffloadedAdamW(bad, **hyper)
+        opt = OffloadedAdamW([{"params": params[:2]}, {"params": params[2:], **second}], **hyper)
+        host = opt.master + opt.exp_avg + opt.exp_avg_sq
+        what = (f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and fp32, "
+                f"two param groups (defaults {hyper}; then {second})")
+        assert not any(_is_device(t) for t in host), f"{what}: the master and the moments must live on the host"
+        for step in range(3):
+            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in trained]
+            if step == 1:
+                grads[1] = None  # no gradient this step: nothing moves for it
+            for p, g in zip(trained, grads):
+                p.grad = None if g is None else OnDevice(g.clone())
+            link.log.clear()
+            before = opt.moved_bytes
+            opt.step()
+            down = sum(g.numel() * g.element_size() for g in grads if g is not None)
+            up = sum(p.numel() * p.element_size() for p, g in zip(trained, grads) if g is not None)
+            where = f"{what}, step {step + 1}"
+            assert (link.bytes("d2h"), link.bytes("h2d")) == (down, up), (
+                f"{where}: measured {link.bytes('d2h')} B down and {link.bytes('h2d')} B up the link, want {down} down "
+                f"(each gradient in its dtype) and {up} up (each parameter in its dtype, cast on the host); "
+                f"copies: {link.log}")
+            assert opt.moved_bytes - before == down + up, (
+                f"{where}: moved_bytes grew by {opt.moved_bytes - before}, the link carried {down + up} B")
+            assert not any(_is_device(t) for t in opt.master + opt.exp_avg + opt.exp_avg_sq), \
+                f"{where}: the master and the moments must stay on the host"
+            for w, g in zip(ref_master, grads):
+                w.grad = None if g is None else g.float()
+            ref_opt.step()
+            for i, (p, w, ref) in enumerate(zip(trained, opt.master, ref_master)):
+                assert_close(w, ref.detach(), f"{where}: fp32 master of parameter {i} ({p.dtype}) vs torch.optim.AdamW")
+                assert _is_device(p) and p.dtype == shapes[i][1] and torch.equal(p.inner, w.to(p.dtype)), (
+                    f"{where}: parameter {i} must stay on the device in {shapes[i][1]}, equal to its master cast")
 
 
 @task("recompute.checkpoint", points=3)
@@ -698,7 +985,7 @@ def test_offload(world_size):
 @task("recompute.accumulate", points=2)
 @pytest.mark.parametrize("world_size", [1, 4, 3])
 def test_accumulate(world_size):
-    run_graded("recompute.accumulate", accumulate_on_rank, world_size, timeout=120)
+    run_graded("recompute.accumulate", accumulate_on_rank, world_size, run_seed(), timeout=120)
 
 
 @task("recompute.optimizer_offload", points=2)
@@ -758,7 +1045,10 @@ def ce_data(rank, n, h, v, dtype, ignore_index, seed=0, scale=1.0):
     return hidden, weight, bias, targets
 
 
-def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
+def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what, grad_scale=1.7):
+    """The loss and the gradients of ``fn`` vs ``F.cross_entropy`` in fp32; backward gets an
+    incoming gradient that is not 1 (a loss scaled before backward by ``grad_scale``), so a
+    backward that ignores its ``grad`` fails."""
     import torch.nn.functional as F
     inputs = [t.detach().clone().requires_grad_(True) for t in (hidden, weight) + (() if bias is None else (bias,))]
     loss = fn(inputs[0], inputs[1], targets, chunk, bias=inputs[2] if bias is not None else None,
@@ -766,11 +1056,12 @@ def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
     assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == torch.float32, (
         f"{what}: the loss must be an fp32 scalar (computed in fp32), got "
         f"{getattr(loss, 'dtype', type(loss))} {tuple(getattr(loss, 'shape', ()))}")
-    loss.backward()
+    (loss * grad_scale).backward()
+    what = f"{what}, loss x {grad_scale:.4g} before backward"
     ref_in = [t.detach().float().requires_grad_(True) for t in inputs]
     logits = ref_in[0] @ ref_in[1].T + (ref_in[2] if bias is not None else 0)
     ref = F.cross_entropy(logits, targets, ignore_index=ignore_index)
-    ref.backward()
+    (ref * grad_scale).backward()
     if torch.isnan(ref):
         assert torch.isnan(loss), f"{what}: every target ignored: torch's loss is nan (0/0), got {loss.item()}"
     else:
@@ -783,7 +1074,7 @@ def ce_compare(fn, hidden, weight, bias, targets, chunk, ignore_index, what):
     return loss.detach()
 
 
-def chunked_ce_on_rank() -> None:
+def chunked_ce_on_rank(seed: int) -> None:
     import torch.nn.functional as F
     from labkit.recompute import chunked_cross_entropy as cce
     rank = dist.get_rank()
@@ -806,6 +1097,22 @@ def chunked_ce_on_rank() -> None:
                     what = (f"{task_}, {dtype}, ignore_index={ignore_index}, chunk_size={chunk}, "
                             f"bias={'None' if bias is None else 'given'}")
                     ce_compare(cce, h, w, bias, t, chunk, ignore_index, what)
+    # configurations drawn from the documented space (a new seed each run, printed; LABKIT_LONG=1: more)
+    for i in range(examples(6, 60)):
+        draw = drawn(seed, i)
+        n, hd, v = draw.randint(1, 40), draw.randint(1, 12), draw.randint(2, 70)
+        dtype = draw.choice((torch.float32, torch.bfloat16, torch.float16))
+        ignore_index = draw.choice((-100, -1, 0, v - 1))
+        chunk = draw.choice((1, draw.randint(1, n), n, n + draw.randint(1, 9)))
+        gen = torch.Generator().manual_seed(draw.randrange(2 ** 31))
+        hidden = torch.randn(n, hd, generator=gen).to(dtype)
+        weight = torch.randn(v, hd, generator=gen).to(dtype)
+        bias = torch.randn(v, generator=gen).to(dtype) if draw.random() < 0.5 else None
+        targets = torch.randint(0, v, (n,), generator=gen)
+        targets[torch.rand(n, generator=gen) < draw.random()] = ignore_index
+        what = (f"{task_}, drawn case {i} (LABKIT_SEED={seed}): N={n}, h={hd}, V={v}, {dtype}, "
+                f"ignore_index={ignore_index}, chunk_size={chunk}, bias={'None' if bias is None else 'given'}")
+        ce_compare(cce, hidden, weight, bias, targets, chunk, ignore_index, what, grad_scale=draw.uniform(-3.0, 3.0))
     # every target ignored: nan loss and zero gradients, as torch
     h, w, b, t = ce_data(rank, CE_N, CE_H, CE_V, torch.float32, -100)
     ce_compare(cce, h, w, b, torch.full_like(t, -100), 7, -100, f"{task_}, every target ignored")
@@ -860,4 +1167,4 @@ def chunked_ce_on_rank() -> None:
 @task("recompute.chunked_ce", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_chunked_ce(world_size):
-    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, timeout=120)
+    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, run_seed(), timeout=120)

@@ -5,7 +5,7 @@ from labkit.course.mutants import Mutant
 MUTANTS = [
     # moe.router
     Mutant("moe.router", "no_renormalise", "keeps the raw top-k probabilities: the gate weights do not sum to 1",
-           find="    weights = weights / weights.sum(dim=-1, keepdim=True)\n", replace=""),
+           find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n", replace="    weights, experts = probs.topk(k, dim=-1)\n"),
     Mutant("moe.router", "aux_without_E", "drops the factor E: the balanced loss is 1/E instead of 1",
            find="return num_experts * (fraction * probs.mean(dim=0)).sum()",
            replace="return (fraction * probs.mean(dim=0)).sum()"),
@@ -34,9 +34,9 @@ MUTANTS = [
            find="return received.view(n, -1)", replace="return received.view(-1, n).t()"),
     # moe.layer
     Mutant("moe.layer", "no_gate_weight", "adds the expert outputs without the gate weights",
-           find="unsorted * weight_of.unsqueeze(1)", replace="unsorted"),
+           find="unsorted * plan.weight_of.unsqueeze(1)", replace="unsorted"),
     Mutant("moe.layer", "permutation_not_inverted", "applies the sort permutation again instead of its inverse",
-           find="unsorted = torch.empty_like(back).index_copy(0, order, back)", replace="unsorted = back[order]"),
+           find="unsorted = torch.empty_like(back).index_copy(0, plan.order, back)", replace="unsorted = back[plan.order]"),
     Mutant("moe.layer", "no_regroup", "runs the received rows in arrival order: rows of other sources reach the wrong expert",
            find="by_expert = torch.argsort(local_expert, stable=True)",
            replace="by_expert = torch.arange(local_expert.numel())"),
@@ -63,23 +63,23 @@ MUTANTS += [
     # moe.router
     Mutant("moe.router", "k1_renormalised", "renormalises at k = 1 too: every weight is 1, the router learns nothing "
            "from the task loss (k = 1 must keep the probability, as Switch does)",
-           find="    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
-           replace="    weights = weights / weights.sum(dim=-1, keepdim=True)\n"),
+           find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
+           replace="    weights, experts = probs.topk(k, dim=-1)\n    weights = weights / weights.sum(dim=-1, keepdim=True)\n"),
     Mutant("moe.router", "softmax_over_topk_logits", "Mixtral's form, softmax over the k chosen logits: the same for "
            "k >= 2, a constant weight of 1 at k = 1",
            find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n",
            replace="    top_logits, experts = logits.topk(k, dim=-1)\n    weights = top_logits.softmax(dim=-1)\n"),
     Mutant("moe.router", "naive_softmax", "softmax as exp / sum exp without subtracting the max: NaN once logits "
            "overflow exp (about 89 in float32)",
-           find="    probs = logits.softmax(dim=-1)\n",
-           replace="    probs = logits.exp() / logits.exp().sum(dim=-1, keepdim=True)\n"),
+           find="    probs = logits.softmax(dim=-1)\n    weights, experts = probs.topk(k, dim=-1)\n",
+           replace="    probs = logits.exp() / logits.exp().sum(dim=-1, keepdim=True)\n    weights, experts = probs.topk(k, dim=-1)\n"),
     Mutant("moe.router", "naive_z_loss", "log(sum(exp)) instead of logsumexp: inf once logits overflow exp",
            find="return torch.logsumexp(logits, dim=-1).pow(2).mean()",
            replace="return logits.exp().sum(dim=-1).log().pow(2).mean()"),
     Mutant("moe.router", "router_in_fp32", "computes the router in (at least) float32 'for stability' and returns "
            "float32 logits, probs and weights for bfloat16 / float16 tokens",
-           find="    logits = x @ gate_weight.t()\n",
-           replace="    wide = torch.promote_types(x.dtype, torch.float32)\n"
+           find="no gradient)\n    logits = x @ gate_weight.t()\n",
+           replace="no gradient)\n    wide = torch.promote_types(x.dtype, torch.float32)\n"
                    "    logits = x.to(wide) @ gate_weight.to(wide).t()\n"),
     Mutant("moe.router", "bincount_no_minlength", "bincount without minlength: f is shorter than P when the last "
            "experts get no choice, and broadcasts into the wrong loss",
@@ -107,16 +107,21 @@ MUTANTS += [
            replace="dist.all_to_all_single(out, x, output_splits, input_splits, group=group)"),
     # moe.layer
     Mutant("moe.layer", "dispatch_on_world", "dispatches over the world instead of the layer's group",
-           find="rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, self.group)",
-           replace="rows = AllToAll.apply(tokens[token_of[order]], recv_splits, send_splits, None)"),
+           find="rows = AllToAll.apply(tokens[plan.token_of[plan.order]], plan.recv_splits, plan.send_splits, self.group)",
+           replace="rows = AllToAll.apply(tokens[plan.token_of[plan.order]], plan.recv_splits, plan.send_splits, None)"),
     Mutant("moe.layer", "counts_on_world", "exchanges the counts over the world instead of the layer's group",
-           find="received = exchange_counts(counts, self.group)", replace="received = exchange_counts(counts)"),
+           find="received = exchange_counts(counts, group)", replace="received = exchange_counts(counts)"),
     Mutant("moe.layer", "routed_rows_swapped", "records (received, sent) in routed_rows",
-           find="self.routed_rows = (sum(send_splits), sum(recv_splits))",
-           replace="self.routed_rows = (sum(recv_splits), sum(send_splits))"),
+           find="        self.routed_rows = (sum(plan.send_splits), sum(plan.recv_splits))\n        # END SOLUTION\n        return y.reshape(shape), aux\n\n\nclass DispatchPlan",
+           replace="        self.routed_rows = (sum(plan.recv_splits), sum(plan.send_splits))\n        # END SOLUTION\n        return y.reshape(shape), aux\n\n\nclass DispatchPlan"),
     Mutant("moe.layer", "k_hardcoded_2", "each token's choices as token index repeated twice: right only for top-2",
-           find="token_of = torch.arange(tokens.shape[0]).unsqueeze(1).expand_as(experts)[keep]",
-           replace="token_of = torch.arange(tokens.shape[0]).repeat_interleave(2)[keep.reshape(-1)]"),
+           find="token_of = torch.arange(experts.shape[0]).unsqueeze(1).expand_as(experts)[keep]",
+           replace="token_of = torch.arange(experts.shape[0]).repeat_interleave(2)[keep.reshape(-1)]"),
+    Mutant("moe.layer", "regroup_cached", "computes the regrouping permutation once and keeps it: right until a "
+           "call brings another number of rows",
+           find="    by_expert = torch.argsort(local_expert, stable=True)\n",
+           replace="    global _by_expert\n    if '_by_expert' not in globals():\n"
+                   "        _by_expert = torch.argsort(local_expert, stable=True)\n    by_expert = _by_expert\n"),
     # moe.ep_dp
     Mutant("moe.ep_dp", "frozen_not_skipped", "all-reduces every parameter's .grad: a frozen or unused one has None",
            find="        if p.grad is None:\n            continue\n", replace=""),
@@ -139,17 +144,28 @@ MUTANTS += [
            find="dist.all_reduce(load, group=self.group)", replace="dist.all_reduce(load)"),
     Mutant("moe.bias_balance", "difference_not_sign", "bias += gamma (mean - load): the step grows with the imbalance",
            find="torch.sign(load.mean() - load)", replace="(load.mean() - load)"),
-    Mutant("moe.bias_balance", "update_before_route", "updates the bias with this step's choices, then routes again with it",
-           find="        self.update(torch.bincount(out[0].reshape(-1), minlength=self.num_experts))\n",
-           replace="        self.update(torch.bincount(out[0].reshape(-1), minlength=self.num_experts))\n"
-                   "        out = route(x, gate_weight, k, bias=self.bias)\n"),
+    Mutant("moe.bias_balance", "update_per_call", "issue 42's bug: route updates the bias at every call (per micro-batch, "
+           "and again in the recompute, which then chooses other experts than the forward)",
+           find="        if torch.is_grad_enabled():\n            self.count(out[0])\n",
+           replace="        self.count(out[0])\n        self.update()\n"),
+    Mutant("moe.bias_balance", "update_before_route", "counts and updates with this call's choices, then routes again with the new bias",
+           find="        out = route(x, gate_weight, k, bias=self.bias)\n        if torch.is_grad_enabled():\n",
+           replace="        self.count(route(x, gate_weight, k, bias=self.bias)[0])\n        self.update()\n"
+                   "        out = route(x, gate_weight, k, bias=self.bias)\n        if torch.is_grad_enabled():\n"),
+    Mutant("moe.bias_balance", "count_every_routing", "counts under no_grad too: a checkpointed layer's tokens counted twice "
+           "(forward and recompute), an evaluation forward's counted as training",
+           find="        if torch.is_grad_enabled():\n            self.count(out[0])\n",
+           replace="        self.count(out[0])\n"),
+    Mutant("moe.bias_balance", "counts_kept", "never zeroes the counts: every update sees the load of all steps so far",
+           find="        self.counts.zero_()\n", replace=""),
+    Mutant("moe.bias_balance", "counts_replaced", "count() keeps only the last routing's choices (=, not +=): earlier micro-batches lost",
+           find="        self.counts += torch.bincount(experts.reshape(-1), minlength=self.num_experts)\n",
+           replace="        self.counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)\n"),
     Mutant("moe.bias_balance", "always_renormalise", "renormalises the k = 1 weight too: always 1, no router gradient",
            find="    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n    # END SOLUTION\n\n\nclass BiasBalancer",
            replace="    weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n    # END SOLUTION\n\n\nclass BiasBalancer"),
     Mutant("moe.bias_balance", "mean_over_tokens", "the mean load counted per rank (divides the global load by N): ties and signs shift",
            find="torch.sign(load.mean() - load)", replace="torch.sign(load.mean() / dist.get_world_size(self.group) - load)"),
-    Mutant("moe.bias_balance", "counts_reduced_in_place", "all-reduces the caller's counts tensor itself: the learner's counts become the group's",
-           find="load = expert_counts.to(torch.int64).clone()", replace="load = expert_counts.to(torch.int64)"),
     Mutant("moe.bias_balance", "bias_in_selection_dtype", "adds the bias in the input's dtype (bfloat16/float16): near choices round together",
            find="(probs.float() + bias.float()).topk(k, dim=-1).indices", replace="(probs + bias.to(probs.dtype)).topk(k, dim=-1).indices"),
 ]
@@ -176,8 +192,7 @@ MUTANTS += [
            find="        wanted = [t for t in ctx.side_inputs if t.requires_grad]\n",
            replace="        work.wait()\n        wanted = [t for t in ctx.side_inputs if t.requires_grad]\n"),
     Mutant("moe.shared_overlap", "shared_added_twice", "adds the shared output twice (once as the index_add's base, once more)",
-           find="y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))",
-           replace="y = shared + shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))"),
+           find="y = combine(back, plan, shared)", replace="y = shared + combine(back, plan, shared)"),
     Mutant("moe.shared_overlap", "recompute_before_post", "recomputes the shared experts' forward in backward (to "
            "keep no activations) before posting the reverse all-to-all: those FLOPs are not hidden",
            find="        work.wait()\n        return out, ctx.side_output.detach()\n        # END SOLUTION\n\n"
@@ -188,8 +203,7 @@ MUTANTS += [
                    "            ctx.side_output = ctx.side_fn(*ctx.side_inputs)\n"),
     Mutant("moe.shared_overlap", "shared_as_a_choice", "weights the shared experts like one more routed choice, "
            "1/(k+1), instead of adding them with weight 1 (DeepSeekMoE)",
-           find="y = shared.index_add(0, token_of, unsorted * weight_of.unsqueeze(1))",
-           replace="y = (shared / (self.k + 1)).index_add(0, token_of, unsorted * weight_of.unsqueeze(1))"),
+           find="y = combine(back, plan, shared)", replace="y = combine(back, plan, shared / (self.k + 1))"),
     Mutant("moe.shared_overlap", "shared_skipped_in_backward", "returns no gradient for the side inputs: the shared "
            "experts are never trained and the tokens miss their gradient through them",
            find="        return (grad_x, None, None, None, None) + tuple(next(grads) if t.requires_grad else None\n",
@@ -206,10 +220,10 @@ MUTANTS += [
            find="grad_x, grad_out.contiguous(), input_splits", replace="grad_x, grad_out, input_splits"),
     Mutant("moe.shared_overlap", "all_shared_in_dispatch", "runs the whole shared MLP behind the dispatch and a plain "
            "all-to-all for the combine: the combine (and its reverse) hides nothing",
-           find="        back, shared = AllToAllOverlap.apply(results, send_splits, recv_splits, self.group,\n"
+           find="        back, shared = AllToAllOverlap.apply(results, plan.send_splits, plan.recv_splits, self.group,\n"
                 "                                             shared_fc2, hidden, self.shared_w2)\n",
            replace="        shared = shared_fc2(hidden, self.shared_w2)\n"
-                   "        back = AllToAll.apply(results, send_splits, recv_splits, self.group)\n"),
+                   "        back = AllToAll.apply(results, plan.send_splits, plan.recv_splits, self.group)\n"),
 ]
 
 # Automatic mutants (labkit mutate moe) that change nothing a learner could get wrong.
@@ -221,8 +235,4 @@ EQUIVALENT = {
     "moe.layer/bool/7319cc33": "argsort(local_expert, stable=False): the regrouping by local expert is undone by "
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
-    "moe.shared_overlap/bool/b3f07d80": "argsort(expert_of, stable=False) in SharedExpertMoE.forward: as "
-                                        "moe.layer/bool/c3eb7bf4, combine un-permutes with the same `order`",
-    "moe.shared_overlap/bool/03c19e9f": "argsort(local_expert, stable=False) in SharedExpertMoE.forward: as "
-                                        "moe.layer/bool/7319cc33, undone by index_copy with the same `by_expert`",
 }

@@ -4,6 +4,14 @@ from labkit.course.mutants import Mutant
 
 MUTANTS = [
     # recompute.checkpoint
+    Mutant("recompute.checkpoint", "every_input_requires_grad", "makes every tensor argument require a gradient in the "
+           "recompute: integer ids and positions raise (only floating point tensors can require gradients)",
+           find="        tensors = iter([t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors])\n",
+           replace="        tensors = iter([t.detach().requires_grad_(True) for t in ctx.saved_tensors])\n"),
+    Mutant("recompute.checkpoint", "ones_as_incoming_grad", "backpropagates the recomputed outputs with ones (as for a "
+           "summed loss), not the gradients backward was handed",
+           find="        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])\n",
+           replace="        torch.autograd.backward([o for o, _ in pairs], [torch.ones_like(g) for _, g in pairs])\n"),
     Mutant("recompute.checkpoint", "rng_not_restored", "recomputes with the RNG as it is now: dropout draws a new mask",
            find="            torch.set_rng_state(ctx.cpu_rng)\n", replace=""),
     Mutant("recompute.checkpoint", "every_kth_off_by_one", "wraps blocks k-1, 2k-1, ... instead of 0, k, 2k, ...",
@@ -102,9 +110,9 @@ MUTANTS = [
            replace="        self.host[index].append(t)\n        return (\"kept\", t)\n"),
     # recompute.accumulate
     Mutant("recompute.accumulate", "loss_not_scaled", "backward of each micro-batch's loss unscaled: gradients m times too large",
-           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),
     Mutant("recompute.accumulate", "mean_of_means", "divides each loss by m: unequal micro-batches weigh the same, not by tokens",
-           find="        loss = loss_fn(model, x, y) * (y.numel() / tokens)\n", replace="        loss = loss_fn(model, x, y) / m\n"),
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n", replace="        loss = loss_fn(model, x, y) / m\n"),
     Mutant("recompute.accumulate", "world_group", "all-reduces over every rank, whatever group says",
            find="                dist.all_reduce(p.grad, group=group)\n                p.grad.div_(n)\n    # END",
            replace="                dist.all_reduce(p.grad)\n                p.grad.div_(n)\n    # END"),
@@ -117,22 +125,61 @@ MUTANTS = [
                    "                if p.grad is not None:\n"
                    "                    dist.all_reduce(p.grad, group=group)\n"
                    "                    p.grad.div_(n)\n    if False:\n"),
+    Mutant("recompute.accumulate", "weights_by_numel", "issue 42's bug: weighs each micro-batch by y.numel() / all targets, "
+           "padding included (the mean loss of each excludes it)",
+           find="        if count == 0:\n            continue\n        loss = loss_fn(model, x, y) * (count / tokens)\n",
+           replace="        loss = loss_fn(model, x, y) * (y.numel() / sum(t.numel() for _, t in micro_batches))\n"),
+    Mutant("recompute.accumulate", "numel_skipping_padding", "weighs by y.numel() over the micro-batches that have a counted "
+           "target (the empty one skipped, padding still counted)",
+           find="        loss = loss_fn(model, x, y) * (count / tokens)\n",
+           replace="        loss = loss_fn(model, x, y) * (y.numel() / sum(t.numel() for _, t in micro_batches))\n"),
+    Mutant("recompute.accumulate", "padding_only_not_skipped", "runs backward of a micro-batch of padding only: 0 x nan = nan gradients",
+           find="        if count == 0:\n            continue\n", replace=""),
     Mutant("recompute.accumulate", "no_divide_by_n", "sums the ranks' gradients without dividing by N",
            find="                p.grad.div_(n)\n", replace=""),
+    # recompute.optimizer_offload (issue 39: the bytes self-reported; now measured on an emulated device)
+    Mutant("recompute.optimizer_offload", "update_on_device", "sends the fp32 master and moments to the device, updates "
+           "there and copies them back, while moved_bytes still counts 2 + 2 bytes a parameter",
+           find="            grad = p.grad.to(\"cpu\", torch.float32)\n"
+                "            self.moved_bytes += p.grad.nbytes\n"
+                "            w.mul_(1 - lr * weight_decay)\n"
+                "            m.lerp_(grad, 1 - beta1)\n"
+                "            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
+                "            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                "            w.addcdiv_(m, denominator, value=-lr / correction1)\n"
+                "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
+           replace="            grad = p.grad.float()\n"
+                   "            self.moved_bytes += p.grad.nbytes\n"
+                   "            wd, md, vd = (t.to(p.device) for t in (w, m, v))\n"
+                   "            wd.mul_(1 - lr * weight_decay)\n"
+                   "            md.lerp_(grad, 1 - beta1)\n"
+                   "            vd.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)\n"
+                   "            denominator = (vd.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                   "            wd.addcdiv_(md, denominator, value=-lr / correction1)\n"
+                   "            w.copy_(wd)\n            m.copy_(md)\n            v.copy_(vd)\n"
+                   "            p.copy_(wd.to(p.dtype))\n"),
+    Mutant("recompute.optimizer_offload", "group_options_ignored", "decays every parameter with the optimizer's "
+           "default lr and weight decay, not its param group's (biases decayed after all)",
+           find="            w.mul_(1 - lr * weight_decay)\n",
+           replace="            w.mul_(1 - self.lr * self.weight_decay)\n"),
+    Mutant("recompute.optimizer_offload", "grad_cast_on_device", "casts the gradient to fp32 on the device, then sends it "
+           "down: 4 bytes a parameter instead of 2, moved_bytes still 2",
+           find="            grad = p.grad.to(\"cpu\", torch.float32)\n",
+           replace="            grad = p.grad.float().to(\"cpu\")\n"),
     # recompute.optimizer_offload
     Mutant("recompute.optimizer_offload", "no_fp32_master", "updates the bf16 parameter itself: small updates round away",
-           find="            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n"
+           find="            w.addcdiv_(m, denominator, value=-lr / correction1)\n"
                 "            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
-           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-self.lr / correction1)\n"
-                   "            p.mul_(1 - self.lr * self.weight_decay)\n            w.copy_(p)\n"),
+           replace="            p.addcdiv_(m.to(p.dtype), denominator.to(p.dtype), value=-lr / correction1)\n"
+                   "            p.mul_(1 - lr * weight_decay)\n            w.copy_(p)\n"),
     Mutant("recompute.optimizer_offload", "not_copied_back", "updates the host master but never sends it back to the device",
            find="            p.copy_(w.to(p.dtype).to(p.device))                  # cast on the host: 2 bytes go up, not 4\n",
            replace=""),
     Mutant("recompute.optimizer_offload", "no_bias_correction", "leaves out Adam's bias correction",
-           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(self.eps)\n"
-                "            w.addcdiv_(m, denominator, value=-self.lr / correction1)\n",
-           replace="            denominator = v.sqrt().add_(self.eps)\n"
-                   "            w.addcdiv_(m, denominator, value=-self.lr)\n"),
+           find="            denominator = (v.sqrt() / math.sqrt(correction2)).add_(eps)\n"
+                "            w.addcdiv_(m, denominator, value=-lr / correction1)\n",
+           replace="            denominator = v.sqrt().add_(eps)\n"
+                   "            w.addcdiv_(m, denominator, value=-lr)\n"),
     Mutant("recompute.optimizer_offload", "moments_like_params", "keeps the moments like the parameters: bf16 on the device",
            find="        self.exp_avg = [torch.zeros_like(w) for w in self.master]\n"
                 "        self.exp_avg_sq = [torch.zeros_like(w) for w in self.master]\n",
@@ -142,8 +189,8 @@ MUTANTS = [
            find="            correction1, correction2 = 1 - beta1 ** self.param_steps[i], 1 - beta2 ** self.param_steps[i]\n",
            replace="            correction1, correction2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps\n"),
     Mutant("recompute.optimizer_offload", "coupled_weight_decay", "L2 in the gradient (Adam) instead of AdamW's decoupled decay",
-           find="            w.mul_(1 - self.lr * self.weight_decay)\n",
-           replace="            grad = grad + self.weight_decay * w\n"),
+           find="            w.mul_(1 - lr * weight_decay)\n",
+           replace="            grad = grad + weight_decay * w\n"),
     Mutant("recompute.optimizer_offload", "master_in_param_dtype", "keeps the master in the parameter's dtype (bf16 master)",
            find="        self.master = [torch.empty(p.shape, dtype=torch.float32,",
            replace="        self.master = [torch.empty(p.shape, dtype=p.dtype,"),
@@ -165,6 +212,9 @@ EQUIVALENT = {
 
 # recompute.chunked_ce
 MUTANTS += [
+    Mutant("recompute.chunked_ce", "incoming_grad_ignored", "backward scales by 1 / count only, not by the incoming "
+           "gradient: right for loss.backward(), wrong for a scaled loss",
+           find="        scale = grad / keep.sum()\n", replace="        scale = 1.0 / keep.sum()\n"),
     Mutant("recompute.chunked_ce", "mean_of_chunk_means", "averages each chunk's mean: wrong when chunks differ in kept tokens",
            find="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum()\n",
            replace="            total = total + torch.where(keep[rows], lse[rows] - picked, 0.0).sum() / keep[rows].sum().clamp(min=1) * count / -(-n // chunk_size)\n"),
