@@ -292,6 +292,7 @@ def main(argv=None) -> int:
     interrupted = _on_interrupt()
     try:
         status = args.run(args, root)
+        sys.stdout.flush()   # here, where a closed pipe is caught, not at exit
     except KeyboardInterrupt:
         status = INTERRUPTED
     except BrokenPipeError:   # `labkit tasks | head`: the reader has all it wanted
