@@ -115,11 +115,34 @@ def run_cli(*args, cwd=ROOT):
 @pytest.mark.parametrize("args, says", [
     (["grade", "moe.capcity"], "did you mean moe.capacity?"),
     (["grade", "00", "--json", "/nonexistent/dir/r.json"], "the folder /nonexistent/dir does not exist"),
-], ids=["typo", "json-folder"])
-def test_labkit_grade_refuses_bad_input_at_once_with_exit_2(args, says):
+    (["grade", "00", "--json", "{file}/x.json"], "{file} is a file, not a folder"),
+    (["coverage", "collectives.reduce_scater"], "did you mean collectives.reduce_scatter"),
+    (["coverage", "colectives"], "did you mean collectives?"),
+    (["mutate", "collectives.reduce_scater"], "did you mean collectives.reduce_scatter"),
+    (["mutate", "colectives", "--list"], "did you mean collectives?"),
+], ids=["typo", "json-folder", "json-under-a-file", "coverage-task-typo", "coverage-chapter-typo",
+        "mutate-task-typo", "mutate-chapter-typo"])
+def test_labkit_refuses_bad_input_at_once_with_exit_2(args, says, tmp_path):
+    # A typo is never a green "1 of 1 tasks at 100 %" or "0 killed of 0" (issue 43 item 3).
+    file = tmp_path / "a-file"
+    file.write_text("")
+    args, says = [a.format(file=file) for a in args], says.format(file=file)
     proc = run_cli(*args)
     assert proc.returncode == 2 and says in proc.stderr, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr            # one sentence
     assert "Traceback" not in proc.stderr and "tests:" not in proc.stdout, proc.stdout   # nothing ran
+    assert "100 %" not in proc.stdout and "killed" not in proc.stdout, proc.stdout
+
+
+def test_labkit_tasks_into_a_closed_pipe_says_nothing(tmp_path):
+    # `labkit tasks | head`: the reader leaves early; a closed pipe is no traceback.
+    import os, subprocess, sys
+    read, write = os.pipe()
+    os.close(read)   # every write now fails with EPIPE, as once `head` has what it wanted
+    proc = subprocess.run([sys.executable, "-m", "labkit.course.cli", "tasks"], cwd=ROOT, stdout=write,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    os.close(write)
+    assert proc.stderr == "" and proc.returncode == 1, proc.stderr
 
 
 def test_labkit_tasks_lists_the_named_chapters_and_tasks_only(capsys):
