@@ -228,3 +228,36 @@ def test_a_traceback_quoted_in_a_message_prints_as_lines():
     assert "Traceback (most recent call last):\n  File" in text and "\\n" not in text and "X('a')" in text
     assert grading.learner_frame(text).startswith("labkit/fsdp.py:3 in shard\n")
     assert grading.unescape_tracebacks("a literal \\n with no traceback") == "a literal \\n with no traceback"
+
+
+def test_what_a_lab_uses_is_read_from_its_imports_and_calls(tmp_path):
+    # A lab's tasks follow its references through labkit: a module-level import, an import
+    # inside a function, a call through a module alias, a class used whole; not what it never names.
+    from labkit.course import catalog
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "__init__.py").write_text("")
+    (tmp_path / "labkit" / "one.py").write_text(
+        "from labkit.two import helper\n\n"
+        "def used():\n    # BEGIN SOLUTION one.used: hint\n    return helper()\n    # END SOLUTION\n\n"
+        "def unused():\n    # BEGIN SOLUTION one.unused: hint\n    pass\n    # END SOLUTION\n")
+    (tmp_path / "labkit" / "two.py").write_text(
+        "def helper():\n    from labkit import three\n    return three.Thing()\n\n"
+        "def other():\n    # BEGIN SOLUTION two.other: hint\n    pass\n    # END SOLUTION\n")
+    (tmp_path / "labkit" / "three.py").write_text(
+        "class Thing:\n    def go(self):\n        # BEGIN SOLUTION three.go: hint\n        pass\n        # END SOLUTION\n")
+    lab = tmp_path / "lab.py"
+    lab.write_text("import labkit.one as first\n\ndef main():\n    return first.used()\n")
+    assert set(catalog.lab_uses(tmp_path, lab)) == {"one.used", "three.go"}
+
+
+def test_labkit_tasks_and_the_lab_header_say_which_other_chapters_a_lab_runs():
+    # Chapter 14's lab runs chapter 11's hierarchical all-reduce (on the emulated nodes): a
+    # chapter-14 learner must read that before meeting "not implemented yet: compress.hierarchical".
+    from labkit.course import catalog, labscript
+    assert "compress.hierarchical" in catalog.earlier_tasks(ROOT, "14")
+    assert "fsdp.shard" in catalog.earlier_tasks(ROOT, "09")          # lab 09 trains under your FSDP
+    assert catalog.earlier_tasks(ROOT, "00") == []
+    assert "compress.hierarchical (11)" in labscript.uses_line("14")
+    proc = run_cli("tasks", "14")
+    assert proc.returncode == 0 and "lab 14 also runs these tasks of other chapters:" in proc.stdout \
+        and "compress.hierarchical (11)" in proc.stdout, proc.stdout + proc.stderr

@@ -113,6 +113,8 @@ def cmd_tasks(args, root: Path) -> int:
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
     print(catalog.format_tasks(infos))
     print("points: a task earns them only when all of its tests pass, at every world size")
+    for line in catalog.format_earlier(root, list(dict.fromkeys(t.chapter for t in infos))):
+        print(line)   # what a lab also needs: a stub there says "not implemented yet" in that lab
     listed = {t.task for t in infos}
     hidden = {t: p for t, p in catalog.static_points(root, visible=False).items() if p and t in listed}
     total = sum(t.points or 0 for t in infos)

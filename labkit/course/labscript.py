@@ -156,7 +156,23 @@ class LabParser(argparse.ArgumentParser):
             sys.exit(2)
         if _prints():
             print(tree_line(), flush=True)
+            if self.lab and (uses := uses_line(self.lab)):
+                print(uses, flush=True)
         return parsed
+
+
+def uses_line(lab: str) -> str | None:
+    """``lab 14 also runs these tasks of other chapters: compress.hierarchical (11), ...``
+    (read from the code, ``catalog.lab_uses``), or None when the lab runs its chapter's alone."""
+    from labkit.course import catalog
+    from labkit.trees import package_dir
+    if lab not in catalog.CHAPTERS:
+        return None
+    try:
+        lines = catalog.format_earlier(package_dir().parent, [lab])
+    except (OSError, SyntaxError, ValueError):   # the listing must never stop a lab
+        return None
+    return lines[0] + " (labkit tasks lists where they are)" if lines else None
 
 
 # ----------------------------------------------------------------------------- the script's own tree
