@@ -111,3 +111,14 @@ def test_the_script_passes_its_checks_on_eight_ranks(script):
     proc = run(sys.executable, str(script), "--world-size", "8", "--timeout", "1800", timeout=3600)
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     assert "WRONG" not in proc.stdout and "not implemented" not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_nccl_without_a_gpu_per_rank_is_one_sentence_and_exit_2_before_any_rank():
+    import torch
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank: NCCL runs")
+    proc = refuse("00_collectives.py", "--backend", "nccl", "--world-size", "2")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--backend nccl" in lines[0] and "one CUDA GPU per rank" in lines[0], proc.stderr
