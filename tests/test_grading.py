@@ -261,3 +261,21 @@ def test_labkit_tasks_and_the_lab_header_say_which_other_chapters_a_lab_runs():
     proc = run_cli("tasks", "14")
     assert proc.returncode == 0 and "lab 14 also runs these tasks of other chapters:" in proc.stdout \
         and "compress.hierarchical (11)" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_every_not_implemented_line_says_where_the_stub_is(tmp_path):
+    # Chapter 14's tests call perf's functions in the test process: no rank, no traceback
+    # frame, and before this the line said only "NOT IMPLEMENTED perf.flops: 3 test(s)".
+    from labkit.course import catalog, cli, workspace
+    ws = tmp_path / "ws"
+    (ws / "labkit").mkdir(parents=True)
+    (ws / "labkit" / "perf.py").write_text(workspace.stub_source(ROOT / "labkit" / "perf.py"))
+    (ws / workspace.MARKER_FILE).write_text("perf.flops\thint\n")
+    where = next(t.where for t in catalog.tasks(ws) if t.task == "perf.flops")
+    assert where.startswith("labkit/perf.py:"), where
+    record = dict(task="perf.flops", name="tests/grading/test_perf.py::test_flops", outcome="failed",
+                  output="perf.flops: NotImplementedError: perf.flops: hint", details="", frame="")
+    report = cli.with_stub_places(grading.failure_report([record]), ws)
+    assert report == f"NOT IMPLEMENTED perf.flops: 1 test(s) · {where}", report
+    with_frame = dict(record, frame="labkit/perf.py:1 in flops_per_token")
+    assert cli.with_stub_places(grading.failure_report([with_frame]), ws).endswith("· labkit/perf.py:1 in flops_per_token")

@@ -58,7 +58,7 @@ def cmd_grade(args, root: Path) -> int:
         print("\nno graded test ran; pytest said:\n" + "\n".join(output.rstrip().splitlines()[-25:]))
     if any(r["outcome"] != "passed" for r in records) and not args.verbose:
         print()
-        print(grading.failure_report(records))
+        print(with_stub_places(grading.failure_report(records), root))
         print("\n(labkit grade --verbose shows full tracebacks and every rank's stack)")
     scores = grading.score_by_task(records)
     print()
@@ -73,6 +73,23 @@ def cmd_grade(args, root: Path) -> int:
             status = 2
     print(f"graded: {tree_label(root)}")
     return status
+
+
+def with_stub_places(report: str, root: Path) -> str:
+    """Every ``NOT IMPLEMENTED <task>`` line says where the stub is: a test that calls the
+    exercise in the test process (no rank, no frame from a rank's traceback) gets its
+    ``labkit/<module>.py:<line>`` from the tree, as ``labkit tasks`` shows it."""
+    from labkit.course import catalog
+    places = None
+    lines = []
+    for line in report.splitlines():
+        if line.startswith("NOT IMPLEMENTED ") and " · " not in line:
+            places = places or {t.task: t.where for t in catalog.tasks(root)}
+            task = line.removeprefix("NOT IMPLEMENTED ").split(":")[0]
+            if ":" in places.get(task, ""):
+                line += f" · {places[task]}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def cmd_coverage(args, root: Path) -> int:
