@@ -122,3 +122,20 @@ def test_nccl_without_a_gpu_per_rank_is_one_sentence_and_exit_2_before_any_rank(
     assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout + proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--backend nccl" in lines[0] and "one CUDA GPU per rank" in lines[0], proc.stderr
+
+
+def test_the_ranks_benign_cpp_warnings_are_not_relayed(tmp_path, capsys):
+    # Lab 13 printed tensorpipe's "eof" (a peer's RPC agent closing as its rank left) before its
+    # header, lab 14 c10d's "hostname of the client socket" four times: neither says anything
+    # to a learner. Every other line of a rank still comes through, in order.
+    from labkit.runtime import launcher
+    rank = launcher._Rank(0, -1, str(tmp_path))
+    Path(rank.path("out", "log")).write_text(
+        "[rank0]:[W1201 16:02:08.662860042 tensorpipe_agent.cpp:723] RPC agent for worker0 encountered error "
+        "when reading incoming request from worker1: eof (this error originated at "
+        "tensorpipe/transport/shm/connection_impl.cc:259)\n"
+        "before\n"
+        "[W1201 16:02:09.1 socket.cpp:752] [c10d] The hostname of the client socket cannot be retrieved. err=-3\n"
+        "after: eof\n")
+    launcher._relay(rank, final=True)
+    assert capsys.readouterr().out == "[rank 0] before\n[rank 0] after: eof\n"

@@ -438,8 +438,15 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector
     return [_load(r.path("result", "pkl")) for r in ranks]
 
 
+# C++ warnings that tell a learner nothing and read as errors: a peer's RPC agent closing as
+# its rank leaves (tensorpipe's "eof"; the launcher reports why that rank left), and a reverse
+# lookup of a 127.0.0.1 socket that the machine's resolver cannot answer (c10d).
+QUIET_LINES = re.compile(r"tensorpipe_agent\.cpp.*encountered error when reading incoming request from \S+: eof"
+                         r"|\[c10d\] The hostname of the client socket cannot be retrieved")
+
+
 def _relay(r: _Rank, final: bool = False) -> None:
-    """Print the rank's new complete output lines, prefixed with its rank."""
+    """Print the rank's new complete output lines, prefixed with its rank (not QUIET_LINES)."""
     try:
         with open(r.path("out", "log"), "rb") as f:
             f.seek(r.read_offset)
@@ -453,7 +460,9 @@ def _relay(r: _Rank, final: bool = False) -> None:
         lines.append(r.pending)
         r.pending = b""
     for line in lines:
-        sys.stdout.write(f"[rank {r.rank}] {line.decode(errors='replace')}\n")
+        text = line.decode(errors="replace")
+        if not QUIET_LINES.search(text):
+            sys.stdout.write(f"[rank {r.rank}] {text}\n")
     if lines:
         sys.stdout.flush()
 
