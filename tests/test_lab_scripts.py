@@ -139,3 +139,21 @@ def test_the_ranks_benign_cpp_warnings_are_not_relayed(tmp_path, capsys):
         "after: eof\n")
     launcher._relay(rank, final=True)
     assert capsys.readouterr().out == "[rank 0] before\n[rank 0] after: eof\n"
+
+
+def test_lab_14_lists_its_configs_in_order_and_says_not_implemented_once(capsys):
+    # Two ranks share the configs round-robin: the table came out in the ranks' order, and a
+    # stub's note read "not implemented yet: not implemented yet: perf.flops".
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("lab14", ROOT / "labs" / "14_scale.py")
+    lab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lab)
+    names = list(lab.CONFIGS)
+    note = "not implemented yet: perf.flops (hint: h)"
+    row = dict(counted=1.0, yours=None, missing=note, early_stop=0)
+    results = [dict(flops={n: row for n in names[rank::2]}) for rank in range(2)]
+    lab.report_flops(results)
+    out = capsys.readouterr().out
+    printed = [line.split("  ")[0].strip() for line in out.splitlines() if line.split("  ")[0].strip() in names]
+    assert printed == names, printed
+    assert note in out and "not implemented yet: not implemented yet" not in out, out
