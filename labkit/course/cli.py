@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     if root is not None and os.environ.get(REEXEC_ENV) == str(root) and installed and installed != str(root):
         print(f"labkit {args.command}: using {root}'s labkit, the tree you are in "
               f"(this environment's `import labkit` is {installed}'s)", flush=True)
-    interrupted = _on_interrupt()
+    interrupted, previous = _on_interrupt()
     try:
         status = args.run(args, root)
         sys.stdout.flush()   # here, where a closed pipe is caught, not at exit
@@ -323,6 +323,10 @@ def main(argv=None) -> int:
         else:
             print(f"labkit {args.command}: {error}", file=sys.stderr)
             return 2
+    finally:
+        if previous is not None:   # main() called in a process of its own making (a test): give it back
+            import signal
+            signal.signal(signal.SIGINT, previous)
     if interrupted.is_set() or status == INTERRUPTED:
         print(f"labkit {args.command}: interrupted; ranks stopped", file=sys.stderr)
         return INTERRUPTED
@@ -370,9 +374,10 @@ def _on_interrupt():
         sys.stdout.flush()
         _silence(sys.stdout)   # no partial score table: the run did not finish
 
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, handler)
-    return interrupted
+        previous = signal.signal(signal.SIGINT, handler)
+    return interrupted, previous
 
 
 if __name__ == "__main__":
