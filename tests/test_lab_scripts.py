@@ -135,6 +135,8 @@ def test_the_ranks_benign_cpp_warnings_are_not_relayed(tmp_path, capsys):
         "when reading incoming request from worker1: eof (this error originated at "
         "tensorpipe/transport/shm/connection_impl.cc:259)\n"
         "before\n"
+        "[rank0]:[W1127 15:49:53.129088578 tensorpipe_agent.cpp:941] RPC agent for worker0 encountered error when "
+        "reading incoming response from worker2: eof (this error originated at tensorpipe/transport/shm/c.cc:1)\n"
         "[W1201 16:02:09.1 socket.cpp:752] [c10d] The hostname of the client socket cannot be retrieved. err=-3\n"
         "after: eof\n")
     launcher._relay(rank, final=True)

@@ -441,7 +441,7 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector
 # C++ warnings that tell a learner nothing and read as errors: a peer's RPC agent closing as
 # its rank leaves (tensorpipe's "eof"; the launcher reports why that rank left), and a reverse
 # lookup of a 127.0.0.1 socket that the machine's resolver cannot answer (c10d).
-QUIET_LINES = re.compile(r"tensorpipe_agent\.cpp.*encountered error when reading incoming request from \S+: eof"
+QUIET_LINES = re.compile(r"tensorpipe_agent\.cpp.*encountered error when reading incoming (request|response) from \S+: eof"
                          r"|\[c10d\] The hostname of the client socket cannot be retrieved")
 
 
