@@ -299,3 +299,12 @@ def test_mutate_in_a_workspace_is_an_error_not_zero_of_zero(student):
     assert proc.returncode == 2 and "learner workspace: it has no solution regions" in proc.stderr, \
         proc.stdout + proc.stderr
     assert "killed" not in proc.stdout, proc.stdout
+
+
+def test_a_workspace_lists_what_each_lab_runs_of_other_chapters_as_the_clone_does(student):
+    # A stub's body no longer calls what its solution calls (tp.model's the tp layers): the
+    # workspace keeps the reference's reading, so a learner sees the same list as the clone.
+    from labkit.course import catalog
+    for chapter in catalog.CHAPTERS:
+        assert catalog.earlier_tasks(student, chapter) == catalog.earlier_tasks(ROOT, chapter), chapter
+    assert "compress.hierarchical" in catalog.earlier_tasks(student, "14")

@@ -160,11 +160,30 @@ def lab_uses(root: Path, lab: Path, index: "_Index | None" = None) -> list[str]:
     return sorted(tasks, key=task_order)
 
 
+USES_FILE = ".labkit-lab-uses"   # in a workspace: what each lab uses, read from the reference
+
+
 def earlier_tasks(root: Path, chapter: str, index: "_Index | None" = None) -> list[str]:
-    """The tasks of other chapters that lab ``chapter``'s script runs (``labs/NN_*.py``)."""
+    """The tasks of other chapters that lab ``chapter``'s script runs (``labs/NN_*.py``). In a
+    workspace, also those the reference solutions reached (written down by ``write_uses``:
+    a stub's body no longer calls the tasks its solution calls)."""
     module = CHAPTERS[chapter]
     labs = sorted((root / "labs").glob(f"{chapter}_*.py"))
-    return [t for lab in labs for t in lab_uses(root, lab, index) if t.split(".")[0] != module]
+    found = {t for lab in labs for t in lab_uses(root, lab, index)}
+    if (root / USES_FILE).exists():
+        for line in (root / USES_FILE).read_text().splitlines():
+            number, _, tasks = line.partition("\t")
+            if number == chapter:
+                found.update(tasks.split())
+    from labkit.course.grading import task_order
+    return sorted((t for t in found if t.split(".")[0] != module), key=task_order)
+
+
+def write_uses(root: Path, dest: Path) -> None:
+    """``dest/USES_FILE``: each lab's tasks of other chapters, as the reference at ``root`` runs them."""
+    index = _Index(root)
+    lines = [f"{chapter}\t{' '.join(earlier_tasks(root, chapter, index))}\n" for chapter in CHAPTERS]
+    (dest / USES_FILE).write_text("".join(lines))
 
 
 def format_earlier(root: Path, chapters: list[str]) -> list[str]:
