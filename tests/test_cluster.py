@@ -18,7 +18,7 @@ pytestmark = needs_solutions
 def torchrun_line() -> str:
     """The command srun runs on every node (the single-quoted argument of bash -c)."""
     line = next(ln for ln in SBATCH.read_text().splitlines() if ln.startswith("srun "))
-    return re.search(r"bash -c '(.*)'$", line).group(1)
+    return re.search(r"bash -c '(.*)'( \|\| status=\$\?)?$", line).group(1)
 
 
 def free_port() -> int:
