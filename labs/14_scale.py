@@ -147,7 +147,8 @@ def main() -> dict:
 
 
 def report_flops(results: list[dict]) -> dict[str, bool]:
-    counted = {name: r for result in results for name, r in result["flops"].items()}
+    shares = {name: r for result in results for name, r in result["flops"].items()}
+    counted = {name: shares[name] for name in CONFIGS if name in shares}   # CONFIGS' order, not the ranks'
     missing = next((r["missing"] for r in counted.values() if r["missing"]), None)
     print(f"1. FLOPs per token of one training step: FlopCounterMode vs your flops_per_token "
           f"({len(counted)} course GPTs over {len(results)} rank(s))")
@@ -157,7 +158,7 @@ def report_flops(results: list[dict]) -> dict[str, bool]:
         print(f"{name:<38}{CONFIGS[name][2]:>10}{r['counted']:>17,.0f}{r['early_stop']:>14,}{yours:>12}")
     print("   (+ early stop: the MLP output projection's forward, which torch.utils.checkpoint does not rerun)")
     if missing:
-        print(f"not implemented yet: {missing}")
+        print(missing)   # "not implemented yet: <task> (hint: ...)" already
         return {"perf.flops: flops_per_token equals FlopCounterMode on every config": False}
     return {"perf.flops: flops_per_token equals FlopCounterMode (+ checkpoint's early stop) on every config, exactly":
             all(r["yours"] == r["counted"] + r["early_stop"] for r in counted.values())}

@@ -115,11 +115,34 @@ def run_cli(*args, cwd=ROOT):
 @pytest.mark.parametrize("args, says", [
     (["grade", "moe.capcity"], "did you mean moe.capacity?"),
     (["grade", "00", "--json", "/nonexistent/dir/r.json"], "the folder /nonexistent/dir does not exist"),
-], ids=["typo", "json-folder"])
-def test_labkit_grade_refuses_bad_input_at_once_with_exit_2(args, says):
+    (["grade", "00", "--json", "{file}/x.json"], "{file} is a file, not a folder"),
+    (["coverage", "collectives.reduce_scater"], "did you mean collectives.reduce_scatter"),
+    (["coverage", "colectives"], "did you mean collectives?"),
+    (["mutate", "collectives.reduce_scater"], "did you mean collectives.reduce_scatter"),
+    (["mutate", "colectives", "--list"], "did you mean collectives?"),
+], ids=["typo", "json-folder", "json-under-a-file", "coverage-task-typo", "coverage-chapter-typo",
+        "mutate-task-typo", "mutate-chapter-typo"])
+def test_labkit_refuses_bad_input_at_once_with_exit_2(args, says, tmp_path):
+    # A typo is never a green "1 of 1 tasks at 100 %" or "0 killed of 0" (issue 43 item 3).
+    file = tmp_path / "a-file"
+    file.write_text("")
+    args, says = [a.format(file=file) for a in args], says.format(file=file)
     proc = run_cli(*args)
     assert proc.returncode == 2 and says in proc.stderr, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr            # one sentence
     assert "Traceback" not in proc.stderr and "tests:" not in proc.stdout, proc.stdout   # nothing ran
+    assert "100 %" not in proc.stdout and "killed" not in proc.stdout, proc.stdout
+
+
+def test_labkit_tasks_into_a_closed_pipe_says_nothing(tmp_path):
+    # `labkit tasks | head`: the reader leaves early; a closed pipe is no traceback.
+    import os, subprocess, sys
+    read, write = os.pipe()
+    os.close(read)   # every write now fails with EPIPE, as once `head` has what it wanted
+    proc = subprocess.run([sys.executable, "-m", "labkit.course.cli", "tasks"], cwd=ROOT, stdout=write,
+                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    os.close(write)
+    assert proc.stderr == "" and proc.returncode == 1, proc.stderr
 
 
 def test_labkit_tasks_lists_the_named_chapters_and_tasks_only(capsys):
@@ -205,3 +228,54 @@ def test_a_traceback_quoted_in_a_message_prints_as_lines():
     assert "Traceback (most recent call last):\n  File" in text and "\\n" not in text and "X('a')" in text
     assert grading.learner_frame(text).startswith("labkit/fsdp.py:3 in shard\n")
     assert grading.unescape_tracebacks("a literal \\n with no traceback") == "a literal \\n with no traceback"
+
+
+def test_what_a_lab_uses_is_read_from_its_imports_and_calls(tmp_path):
+    # A lab's tasks follow its references through labkit: a module-level import, an import
+    # inside a function, a call through a module alias, a class used whole; not what it never names.
+    from labkit.course import catalog
+    (tmp_path / "labkit").mkdir()
+    (tmp_path / "labkit" / "__init__.py").write_text("")
+    (tmp_path / "labkit" / "one.py").write_text(
+        "from labkit.two import helper\n\n"
+        "def used():\n    # BEGIN SOLUTION one.used: hint\n    return helper()\n    # END SOLUTION\n\n"
+        "def unused():\n    # BEGIN SOLUTION one.unused: hint\n    pass\n    # END SOLUTION\n")
+    (tmp_path / "labkit" / "two.py").write_text(
+        "def helper():\n    from labkit import three\n    return three.Thing()\n\n"
+        "def other():\n    # BEGIN SOLUTION two.other: hint\n    pass\n    # END SOLUTION\n")
+    (tmp_path / "labkit" / "three.py").write_text(
+        "class Thing:\n    def go(self):\n        # BEGIN SOLUTION three.go: hint\n        pass\n        # END SOLUTION\n")
+    lab = tmp_path / "lab.py"
+    lab.write_text("import labkit.one as first\n\ndef main():\n    return first.used()\n")
+    assert set(catalog.lab_uses(tmp_path, lab)) == {"one.used", "three.go"}
+
+
+def test_labkit_tasks_and_the_lab_header_say_which_other_chapters_a_lab_runs():
+    # Chapter 14's lab runs chapter 11's hierarchical all-reduce (on the emulated nodes): a
+    # chapter-14 learner must read that before meeting "not implemented yet: compress.hierarchical".
+    from labkit.course import catalog, labscript
+    assert "compress.hierarchical" in catalog.earlier_tasks(ROOT, "14")
+    assert "fsdp.shard" in catalog.earlier_tasks(ROOT, "09")          # lab 09 trains under your FSDP
+    assert catalog.earlier_tasks(ROOT, "00") == []
+    assert "compress.hierarchical (11)" in labscript.uses_line("14")
+    proc = run_cli("tasks", "14")
+    assert proc.returncode == 0 and "lab 14 also runs these tasks of other chapters:" in proc.stdout \
+        and "compress.hierarchical (11)" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_every_not_implemented_line_says_where_the_stub_is(tmp_path):
+    # Chapter 14's tests call perf's functions in the test process: no rank, no traceback
+    # frame, and before this the line said only "NOT IMPLEMENTED perf.flops: 3 test(s)".
+    from labkit.course import catalog, cli, workspace
+    ws = tmp_path / "ws"
+    (ws / "labkit").mkdir(parents=True)
+    (ws / "labkit" / "perf.py").write_text(workspace.stub_source(ROOT / "labkit" / "perf.py"))
+    (ws / workspace.MARKER_FILE).write_text("perf.flops\thint\n")
+    where = next(t.where for t in catalog.tasks(ws) if t.task == "perf.flops")
+    assert where.startswith("labkit/perf.py:"), where
+    record = dict(task="perf.flops", name="tests/grading/test_perf.py::test_flops", outcome="failed",
+                  output="perf.flops: NotImplementedError: perf.flops: hint", details="", frame="")
+    report = cli.with_stub_places(grading.failure_report([record]), ws)
+    assert report == f"NOT IMPLEMENTED perf.flops: 1 test(s) · {where}", report
+    with_frame = dict(record, frame="labkit/perf.py:1 in flops_per_token")
+    assert cli.with_stub_places(grading.failure_report([with_frame]), ws).endswith("· labkit/perf.py:1 in flops_per_token")

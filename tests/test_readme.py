@@ -114,6 +114,7 @@ def test_the_learner_path_works_as_written(scratch):
     for line, proc in results[1:3]:   # the workspace's own environment, and labkit installed in it
         assert proc.returncode == 0, line + "\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
     assert learner_env["VIRTUAL_ENV"] == str(workspace / ".venv"), learner_env.get("VIRTUAL_ENV")
+    assert_the_install_line_resolves_the_clones_torch(workspace, learner_env, scratch["env"])
     tasks = out["labkit tasks"]
     assert tasks.returncode == 0 and f"exercises in {workspace} (learner workspace)" in tasks.stdout, tasks.stderr
     assert "collectives.reduce_scatter" in tasks.stdout and "labkit/collectives.py:" in tasks.stdout
@@ -136,6 +137,23 @@ def test_the_learner_path_works_as_written(scratch):
     back = subprocess.run(["python", "-c", "import labkit; print(labkit.__file__)"], cwd=scratch["clone"] / "labs",
                           env=scratch["env"], capture_output=True, text=True)
     assert back.stdout.strip() == str(scratch["clone"] / "labkit" / "__init__.py"), back.stdout + back.stderr
+
+
+def assert_the_install_line_resolves_the_clones_torch(workspace: Path, learner_env: dict, clone_env: dict) -> None:
+    """The block's install line, as pip's resolver reads it in a fresh environment: the torch
+    it would install is the clone's build, to the local label (``2.13.0+cpu`` on a laptop set up
+    with the CPU index; PyPI's ``2.13.0`` where the clone has that one). CI reaches PyPI only:
+    on a PyPI clone the pin needs PyPI alone; here a +cpu pin resolves from the machine's wheels."""
+    line = next(l.split("#")[0] for l in readme_block("learner") if "pip install" in l)
+    install = line[line.index("pip install"):].strip()
+    report = workspace.parent / "resolved.json"
+    proc = subprocess.run(["bash", "-c", f"{install} --dry-run --ignore-installed --no-deps --quiet --report {report}"],
+                          cwd=workspace, env=learner_env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, install + "\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
+    resolved = {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    clones = subprocess.run(["python", "-c", "from importlib import metadata; print(metadata.version('torch'))"],
+                            env=clone_env, capture_output=True, text=True, check=True).stdout.strip()
+    assert resolved.get("torch") == clones, f"{install!r} resolves torch {resolved.get('torch')}; the clone has {clones}"
 
 
 def test_the_instructor_path_works_as_written(scratch):

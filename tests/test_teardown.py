@@ -74,3 +74,71 @@ def test_training_scripts_under_mp_spawn_exit_cleanly(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and f"0 of {RUNS} runs ended abnormally" in proc.stdout, out[-4000:]
     assert "terminate called" not in out, out[-4000:]
+
+
+# ----------------------------------------------------------------------------- Ctrl-C (issue 43)
+
+
+def marked_processes(mark: str, ranks_only: bool = False) -> list[int]:
+    """The live processes whose environment carries ``LABKIT_TEST_MARK=mark`` (whatever
+    session or group they moved to): the command, its pytest, rank server and ranks. The
+    ranks: the rank server's children (a fork keeps the server's /proc environ)."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if state != "Z" and f"LABKIT_TEST_MARK={mark}".encode() in environ:
+            found[int(entry.name)] = (int(ppid), b"LABKIT_RANK_SERVER=1" in environ)
+    if ranks_only:
+        return [pid for pid, (ppid, _) in found.items() if found.get(ppid, (0, False))[1]]
+    return list(found)
+
+
+def interrupt_once_ranks_run(cmd: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, list[int]]:
+    """Start ``cmd`` in a session of its own, as a terminal would in the foreground; once a rank
+    is running, press Ctrl-C (SIGINT to the whole foreground group); return how it ended and
+    what was still running the moment it had exited."""
+    import signal
+    import time
+    import uuid
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LABKIT_TEST_MARK=mark, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marked_processes(mark, ranks_only=True):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"no rank started (status {proc.poll()}): {proc.communicate(timeout=60)}"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        left = marked_processes(mark)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err), left
+    finally:
+        for pid in marked_processes(mark):   # whatever a failing run left behind
+            os.kill(pid, signal.SIGKILL)
+
+
+def assert_interrupted_quietly(done: subprocess.CompletedProcess, left: list[int], says: str) -> None:
+    assert done.returncode == 130, f"status {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "Traceback" not in done.stdout + done.stderr and "KeyboardInterrupt" not in done.stdout + done.stderr, \
+        done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1:] == [says], done.stderr[-3000:]
+    assert left == [], f"still running after the command exited: {left}"
+
+
+@needs_solutions
+def test_ctrl_c_on_a_lab_is_one_line_exit_130_and_leaves_nothing_running():
+    done, left = interrupt_once_ranks_run([sys.executable, "labs/00_collectives.py", "--world-size", "2"], ROOT)
+    assert_interrupted_quietly(done, left, "00_collectives.py: interrupted; ranks stopped")
+
+
+@needs_solutions
+def test_ctrl_c_on_labkit_grade_is_one_line_exit_130_and_leaves_nothing_running():
+    done, left = interrupt_once_ranks_run(
+        [sys.executable, "-m", "labkit.course.cli", "grade", "collectives.reduce_scatter"], ROOT)
+    assert_interrupted_quietly(done, left, "labkit grade: interrupted; ranks stopped")

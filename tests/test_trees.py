@@ -32,6 +32,10 @@ for rank, files in enumerate(labkit.launch(where, 2, timeout=120)):
 '''
 
 
+# A lab file: it imports the lab shell (labkit.course.labscript), as every labs/NN_*.py does.
+LAB_PROBE = "import labkit.course.labscript\n" + PROBE
+
+
 @pytest.fixture(scope="module")
 def other_tree(tmp_path_factory) -> Path:
     """A second course tree: a copy of this labkit, with tests/grading/ and pyproject.toml."""
@@ -41,6 +45,7 @@ def other_tree(tmp_path_factory) -> Path:
     shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
     (tree / "labs").mkdir()
     (tree / "labs" / "probe.py").write_text(PROBE)
+    (tree / "labs" / "lab_probe.py").write_text(LAB_PROBE)
     return tree
 
 
@@ -79,3 +84,35 @@ def test_a_script_that_imports_the_working_trees_labkit_runs_it_on_every_rank(ot
     assert all(f.startswith(str(other_tree / "labkit")) for f in files), \
         f"the driver or a rank ran another tree's labkit:\n" + "\n".join(" ".join(l) for l in lines)
     assert "UserWarning" not in stderr, stderr
+
+
+# ----------------------------------------------------------------------------- issue 43 item 2
+
+
+@pytest.fixture(scope="module")
+def third_tree(tmp_path_factory, other_tree) -> Path:
+    """Another course tree beside ``other_tree``, with the same lab probe."""
+    tree = tmp_path_factory.mktemp("third") / "course"
+    shutil.copytree(other_tree, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    return tree
+
+
+@pytest.mark.parametrize("direction", ["clone-env-workspace-lab", "workspace-env-clone-lab"])
+def test_a_lab_file_runs_its_own_trees_labkit_wherever_you_stand(direction, other_tree, third_tree, tmp_path):
+    # `python ../my-labs/labs/00_collectives.py` with the clone's environment active, from a
+    # folder of neither tree: before, the clone's labkit ran the workspace's lab (its reference
+    # solutions passed, silently); and the other way round, the stubs ran the clone's lab.
+    # The lab file's own tree wins, on the driver and every rank, and the first line says so.
+    script_tree, env_tree = (other_tree, third_tree) if direction.startswith("clone") else (third_tree, other_tree)
+    env = {k: v for k, v in os.environ.items() if k not in ("LABKIT_RANK", "WORLD_SIZE", "RANK")}
+    env["PYTHONPATH"] = str(env_tree)
+    proc = subprocess.run([sys.executable, str(script_tree / "labs" / "lab_probe.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [tuple(line.split()) for line in proc.stdout.splitlines() if line.startswith(("driver", "rank"))]
+    assert len(lines) == 3, proc.stdout
+    files = package_files(lines)
+    assert all(f.startswith(str(script_tree / "labkit")) for f in files), \
+        f"the lab ran another tree's labkit:\n" + "\n".join(" ".join(l) for l in lines)
+    first = proc.stdout.splitlines()[0]
+    assert f"belongs to {script_tree}" in first and str(env_tree) in first, proc.stdout

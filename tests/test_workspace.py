@@ -248,3 +248,63 @@ def test_a_deadlocking_ring_grades_in_seconds_with_every_wait_named(tmp_path):
         assert len(waits) >= 2, outputs[name]
     for size in (3, 4):
         assert "skipped: deadlocked at world size 2" in outputs[f"test_all_gather[{size}]"]
+
+
+# ----------------------------------------------------------------------------- issue 43
+
+
+def test_the_workspace_pins_the_clones_torch_build_and_the_hint_installs_it(student):
+    # The second environment must get the clone's torch build (a laptop's CPU one, not PyPI's
+    # CUDA one): the workspace holds it as a pip requirement with its index, and the line
+    # that `labkit workspace` and the README's learner block give installs from it.
+    assert workspace.torch_requirement("2.13.0+cpu").splitlines()[1:] == [
+        "--extra-index-url https://download.pytorch.org/whl/cpu", "torch==2.13.0+cpu"]
+    assert workspace.torch_requirement("2.13.0+cu126").splitlines()[1:] == [
+        "--extra-index-url https://download.pytorch.org/whl/cu126", "torch==2.13.0+cu126"]
+    assert workspace.torch_requirement("2.13.0").splitlines()[1:] == ["torch==2.13.0"]   # PyPI's, as the clone's
+    from importlib import metadata
+    text = (student / workspace.TORCH_FILE).read_text()
+    assert text == workspace.torch_requirement(metadata.version("torch")), text
+    assert f"-r {workspace.TORCH_FILE}" in workspace.INSTALL_LINE
+    proc = run_in(ROOT, "-m", "labkit.course.cli", "workspace", str(student.parent / "hint"))
+    assert proc.returncode == 0 and workspace.INSTALL_LINE in proc.stdout, proc.stdout + proc.stderr
+    readme = (ROOT / "README.md").read_text()
+    learner = readme.split("<!-- ci:learner -->", 1)[1].split("```", 2)[1]
+    assert workspace.INSTALL_LINE in learner, learner          # in the block itself, run verbatim in CI
+    assert "pip's cache" not in readme, "pip resolves torch against the index, not its cache"
+
+
+@pytest.mark.parametrize("where, says", [("inside", "is inside the course's clone"),
+                                         ("around", "holds the course's clone"),
+                                         ("under-a-file", "cannot write the workspace at")])
+def test_a_workspace_goes_beside_the_clone_where_it_can_be_written(where, says, tmp_path):
+    # Inside the clone (its `import labkit` would mix trees), around it (--force would delete
+    # it), or where no folder can be made: one sentence and exit 2, nothing written.
+    (tmp_path / "a-file").write_text("")
+    dest = {"inside": ROOT / f"ws-{tmp_path.name}", "around": ROOT.parent,
+            "under-a-file": tmp_path / "a-file" / "ws"}[where]
+    try:
+        proc = run_in(ROOT, "-m", "labkit.course.cli", "workspace", str(dest))
+        assert proc.returncode == 2 and says in proc.stderr, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        if where == "inside":
+            assert not dest.exists()
+    finally:
+        if where == "inside":
+            shutil.rmtree(dest, ignore_errors=True)
+
+
+def test_mutate_in_a_workspace_is_an_error_not_zero_of_zero(student):
+    proc = run_in(student, "-m", "labkit.course.cli", "mutate")
+    assert proc.returncode == 2 and "learner workspace: it has no solution regions" in proc.stderr, \
+        proc.stdout + proc.stderr
+    assert "killed" not in proc.stdout, proc.stdout
+
+
+def test_a_workspace_lists_what_each_lab_runs_of_other_chapters_as_the_clone_does(student):
+    # A stub's body no longer calls what its solution calls (tp.model's the tp layers): the
+    # workspace keeps the reference's reading, so a learner sees the same list as the clone.
+    from labkit.course import catalog
+    for chapter in catalog.CHAPTERS:
+        assert catalog.earlier_tasks(student, chapter) == catalog.earlier_tasks(ROOT, chapter), chapter
+    assert "compress.hierarchical" in catalog.earlier_tasks(student, "14")

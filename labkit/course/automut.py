@@ -385,7 +385,12 @@ def equivalents(root: Path, module: str) -> dict[str, str]:
 
 
 def _selection(names: list[str], root: Path) -> tuple[list[str], set[str]]:
-    chapters, tasks = grading.split_selection(names)
+    """(modules, task ids) of the selection; a name that is no chapter or task, or a tree
+    without solutions (a learner workspace: nothing to mutate), is a ValueError."""
+    if workspace.is_student_workspace(root):
+        raise ValueError(f"{root} is a learner workspace: it has no solution regions to mutate; "
+                         "run labkit mutate in the course's clone")
+    chapters, tasks = grading.resolve_selection(names, root)   # a typo: one sentence, a did-you-mean
     files = grading.grading_files(chapters, root)
     modules = list(dict.fromkeys(f.stem.removeprefix("test_") for f in files))
     return modules, set(tasks)

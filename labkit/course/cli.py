@@ -35,6 +35,9 @@ def _writable_file(path: str) -> None:
     if target.is_dir():
         raise ValueError(f"--json {path} is a folder; name a file in it (e.g. {target / 'results.json'})")
     folder = target.parent if str(target.parent) else Path(".")
+    file_above = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if file_above is not None:
+        raise ValueError(f"--json {path}: {file_above} is a file, not a folder; pick another path")
     if not folder.is_dir():
         raise ValueError(f"--json {path}: the folder {folder} does not exist; create it or pick another path")
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
@@ -55,7 +58,7 @@ def cmd_grade(args, root: Path) -> int:
         print("\nno graded test ran; pytest said:\n" + "\n".join(output.rstrip().splitlines()[-25:]))
     if any(r["outcome"] != "passed" for r in records) and not args.verbose:
         print()
-        print(grading.failure_report(records))
+        print(with_stub_places(grading.failure_report(records), root))
         print("\n(labkit grade --verbose shows full tracebacks and every rank's stack)")
     scores = grading.score_by_task(records)
     print()
@@ -72,13 +75,30 @@ def cmd_grade(args, root: Path) -> int:
     return status
 
 
+def with_stub_places(report: str, root: Path) -> str:
+    """Every ``NOT IMPLEMENTED <task>`` line says where the stub is: a test that calls the
+    exercise in the test process (no rank, no frame from a rank's traceback) gets its
+    ``labkit/<module>.py:<line>`` from the tree, as ``labkit tasks`` shows it."""
+    from labkit.course import catalog
+    places = None
+    lines = []
+    for line in report.splitlines():
+        if line.startswith("NOT IMPLEMENTED ") and " · " not in line:
+            places = places or {t.task: t.where for t in catalog.tasks(root)}
+            task = line.removeprefix("NOT IMPLEMENTED ").split(":")[0]
+            if ":" in places.get(task, ""):
+                line += f" · {places[task]}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def cmd_coverage(args, root: Path) -> int:
     import tempfile
 
     from labkit.course import coverage
     if workspace.is_student_workspace(root):
         raise ValueError("coverage measures the reference solutions: run it in a clone, not a workspace")
-    chapters, tasks = grading.split_selection(args.selection)
+    chapters, tasks = grading.resolve_selection(args.selection, root)   # a typo: exit 2, a did-you-mean
     files = grading.grading_files(chapters, root)
     modules = {f.stem.removeprefix("test_") for f in files}
     wanted = tasks or sorted((t for t in grading.known_tasks(root) if t.split(".")[0] in modules),
@@ -110,6 +130,8 @@ def cmd_tasks(args, root: Path) -> int:
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
     print(catalog.format_tasks(infos))
     print("points: a task earns them only when all of its tests pass, at every world size")
+    for line in catalog.format_earlier(root, list(dict.fromkeys(t.chapter for t in infos))):
+        print(line)   # what a lab also needs: a stub there says "not implemented yet" in that lab
     listed = {t.task for t in infos}
     hidden = {t: p for t, p in catalog.static_points(root, visible=False).items() if p and t in listed}
     total = sum(t.points or 0 for t in infos)
@@ -124,12 +146,17 @@ def cmd_tasks(args, root: Path) -> int:
 
 
 def cmd_workspace(args, root: Path) -> int:
-    regions = workspace.make_workspace(Path(args.dest), root=root, force=args.force)
+    try:
+        regions = workspace.make_workspace(Path(args.dest), root=root, force=args.force)
+    except OSError as error:   # a folder it may not create, a disk full, a file in the way
+        where = f" ({error.filename})" if error.filename else ""
+        raise ValueError(f"cannot write the workspace at {args.dest}: {error.strerror or error}{where}") from None
     tasks = sorted({r.task for r in regions})
     print(f"learner workspace written to {args.dest}: {len(regions)} solution regions "
           f"stubbed across {len(tasks)} tasks")
-    print(f"next, in an environment of its own: cd {args.dest} && python3 -m venv .venv && "
-          ". .venv/bin/activate && pip install -e . && labkit tasks")
+    print(f"next, in an environment of its own (with this clone's torch build, from {workspace.TORCH_FILE}): "
+          f"cd {args.dest} && python3 -m venv .venv && . .venv/bin/activate && "
+          f"{workspace.INSTALL_LINE} && labkit tasks")
     return 0
 
 
@@ -281,11 +308,76 @@ def main(argv=None) -> int:
     if root is not None and os.environ.get(REEXEC_ENV) == str(root) and installed and installed != str(root):
         print(f"labkit {args.command}: using {root}'s labkit, the tree you are in "
               f"(this environment's `import labkit` is {installed}'s)", flush=True)
+    interrupted, previous = _on_interrupt()
     try:
-        return args.run(args, root)
+        status = args.run(args, root)
+        sys.stdout.flush()   # here, where a closed pipe is caught, not at exit
+    except KeyboardInterrupt:
+        status = INTERRUPTED
+    except BrokenPipeError:   # `labkit tasks | head`: the reader has all it wanted
+        _silence(sys.stdout)
+        return 1
     except (ValueError, FileExistsError, RuntimeError) as error:
-        print(f"labkit {args.command}: {error}", file=sys.stderr)
-        return 2
+        if interrupted.is_set():   # the child pytest was interrupted too: that is all there is to say
+            status = INTERRUPTED
+        else:
+            print(f"labkit {args.command}: {error}", file=sys.stderr)
+            return 2
+    finally:
+        if previous is not None:   # main() called in a process of its own making (a test): give it back
+            import signal
+            signal.signal(signal.SIGINT, previous)
+    if interrupted.is_set() or status == INTERRUPTED:
+        print(f"labkit {args.command}: interrupted; ranks stopped", file=sys.stderr)
+        return INTERRUPTED
+    return status
+
+
+INTERRUPTED = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+
+
+def _silence(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (nothing more reaches the reader)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _children() -> list[int]:
+    """The pids of this process's live children (a grading pytest, a mutant batch)."""
+    me, found = str(os.getpid()), []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            found.append(int(entry.parent.name))
+    return found
+
+
+def _on_interrupt():
+    """Ctrl-C: a terminal sends SIGINT to this process and to the pytest it runs (same
+    process group). While such a child runs, let it stop its ranks and exit, and say nothing
+    more than one line afterwards; otherwise stop at once (KeyboardInterrupt)."""
+    import signal
+    import threading
+    interrupted = threading.Event()
+
+    def handler(signum, frame):
+        if interrupted.is_set() or not Path("/proc/self").exists() or not _children():
+            raise KeyboardInterrupt
+        interrupted.set()
+        sys.stdout.flush()
+        _silence(sys.stdout)   # no partial score table: the run did not finish
+
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, handler)
+    return interrupted, previous
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``labkit doctor``: what this machine gives the course, the first thing to run on a cluster.
 
 It prints the versions (Python, torch, CUDA, NCCL, gloo), the GPUs CUDA sees, the backend
-``labkit.launch`` would pick at each world size, and then measures a short all-reduce and a
+``labkit.launch`` would pick at each world size, and then measures how long a launch takes
+(the first in a process, and later ones), a short all-reduce and a
 point-to-point exchange on that backend with their bandwidth, in the units the NCCL tests
 use (bus bandwidth = algorithm bandwidth x 2(N-1)/N for an all-reduce). Where something is
 missing it says what follows from it (no GPU: the labs run on gloo; fewer GPUs than ranks:
@@ -90,8 +91,29 @@ def _measure(megabytes: float, repeats: int) -> dict:
     return dict(backend=dist.get_backend(), device=str(device), bytes=numel * 4, all_reduce_s=all_reduce, p2p_s=p2p)
 
 
+def _nothing() -> None:
+    return None
+
+
+def launch_times(world_size: int = 2, later: int = 5) -> tuple[float, float]:
+    """Seconds for this process's first ``launch`` of a function that does nothing (it starts
+    the rank server, which imports torch) and the median of ``later`` ones after it (a fork
+    and a process group per rank): the README's figures, as this machine sees them."""
+    start = time.perf_counter()
+    launch(_nothing, world_size, timeout=300)
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(later):
+        start = time.perf_counter()
+        launch(_nothing, world_size, timeout=300)
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times)
+
+
 def measure(world_size: int = 2, megabytes: float = 16, repeats: int = 5) -> dict:
+    first, later = launch_times(world_size)
     result = launch(_measure, world_size, megabytes, repeats, timeout=300)[0]
+    result.update(first_launch_s=first, later_launch_s=later)
     size, n = result["bytes"], world_size
     algbw = size / result["all_reduce_s"]
     result.update(world_size=n, algbw_gbs=algbw / 1e9, busbw_gbs=algbw * 2 * (n - 1) / n / 1e9,
@@ -118,6 +140,8 @@ def report(f: dict, measured: dict | None) -> str:
                      f"busbw {m['busbw_gbs']:7.2f} GB/s (x 2(N-1)/N)")
         if m["world_size"] > 1:
             lines.append(f"  send+recv   {m['p2p_s'] * 1e3:9.2f} ms   {m['p2p_gbs']:7.2f} GB/s per direction (ring exchange)")
+        lines.append(f"  launch      {m['first_launch_s']:9.2f} s the first in a process (starts the rank server), "
+                     f"{m['later_launch_s']:.2f} s each later one (median of 5, {m['world_size']} ranks)")
     return "\n".join(lines)
 
 

@@ -129,22 +129,119 @@ def _prints() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def backend_error(backend: str, n: int) -> str | None:
+    """One sentence when ``--backend`` cannot run here (NCCL without a GPU per rank), else None."""
+    from labkit.runtime.launcher import resolve_backend
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", n))   # under torchrun: the ranks of this node
+    try:
+        resolve_backend(backend, local)
+    except ValueError as error:
+        return f"--backend {backend}: {error}"
+    return None
+
+
 class LabParser(argparse.ArgumentParser):
-    """``parse_args`` also checks the world size before any process starts, and names the tree."""
+    """``parse_args`` also checks the world size and the backend before any process starts,
+    and names the tree."""
 
     lab: str | None = None
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
         n, source = requested_world_size(parsed)
-        error = world_size_error(self.lab, n, source)
+        error = world_size_error(self.lab, n, source) or backend_error(parsed.backend, n)
         if error:
             if _prints():
                 print(f"{self.prog}: {error}", file=sys.stderr)
             sys.exit(2)
         if _prints():
             print(tree_line(), flush=True)
+            if self.lab and (uses := uses_line(self.lab)):
+                print(uses, flush=True)
         return parsed
+
+
+def uses_line(lab: str) -> str | None:
+    """``lab 14 also runs these tasks of other chapters: compress.hierarchical (11), ...``
+    (read from the code, ``catalog.lab_uses``), or None when the lab runs its chapter's alone."""
+    from labkit.course import catalog
+    from labkit.trees import package_dir
+    if lab not in catalog.CHAPTERS:
+        return None
+    try:
+        lines = catalog.format_earlier(package_dir().parent, [lab])
+    except (OSError, SyntaxError, ValueError):   # the listing must never stop a lab
+        return None
+    return lines[0] + " (labkit tasks lists where they are)" if lines else None
+
+
+# ----------------------------------------------------------------------------- the script's own tree
+
+REEXEC_ENV = "LABKIT_LAB_TREE"   # set when a lab script ran itself again on its own tree
+
+
+def _script_tree() -> Path | None:
+    """The course tree whose ``labs/`` holds the script Python runs, or None (not a lab file)."""
+    from labkit.trees import is_course_root
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script:
+        return None
+    folder = Path(script).resolve().parent
+    return folder.parent if folder.name == "labs" and is_course_root(folder.parent) else None
+
+
+def run_on_the_scripts_tree() -> None:
+    """A lab file always runs its own tree's labkit: ``python ../my-labs/labs/00_collectives.py``
+    with the clone's environment active runs ../my-labs's code (the stubs you are filling in),
+    never the clone's reference solutions, wherever you stand. If Python imported labkit from
+    another tree, run this script again with its own tree first on the path, and say so."""
+    from labkit.trees import package_dir
+    tree, mine = _script_tree(), package_dir().parent
+    if tree is None or tree == mine or "LABKIT_RANK" in os.environ or "LABKIT_RANK_SERVER" in os.environ:
+        return
+    script = Path(sys.modules["__main__"].__file__).name
+    if os.environ.get(REEXEC_ENV) == str(tree):   # we did put it first: something else wins
+        print(f"{script}: this lab belongs to {tree}, but Python imports labkit from {mine} even with {tree} "
+              f"first on the path; activate {tree}'s own environment", file=sys.stderr)
+        sys.exit(2)
+    if _prints():
+        print(f"{script}: this lab file belongs to {tree}: running it with that tree's labkit "
+              f"(this environment's `import labkit` is {mine}'s)", flush=True)
+    env = dict(os.environ, **{REEXEC_ENV: str(tree)})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(tree), env.get("PYTHONPATH", "")] if p)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+INTERRUPTED = 130   # 128 + SIGINT: what a shell reports for Ctrl-C
+
+
+def quiet_interrupt() -> None:
+    """Ctrl-C on a lab: one line and exit status 130, no traceback. The launch already
+    stopped its ranks and its rank server while the KeyboardInterrupt unwound it."""
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        if not issubclass(exc_type, KeyboardInterrupt):
+            return previous(exc_type, exc, tb)
+        script = Path(getattr(sys.modules.get("__main__"), "__file__", "") or "lab").name
+        if _prints():
+            print(f"{script}: interrupted; ranks stopped", file=sys.stderr)
+        import atexit
+        atexit._run_exitfuncs()   # what a normal exit runs (os._exit below would skip it)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(INTERRUPTED)
+
+    sys.excepthook = hook
+
+
+if _script_tree() is not None:   # imported by a lab script (not by a notebook or a test)
+    run_on_the_scripts_tree()
+    quiet_interrupt()
 
 
 def lab_arguments(doc: str, lab: str | None = None) -> LabParser:

@@ -22,6 +22,13 @@ TASK_ID = r"[a-z0-9_]+\.[a-z0-9_]+"   # chapter.task, such as ddp.bucketed
 BEGIN = re.compile(rf"^(?P<indent>\s*)# BEGIN SOLUTION (?P<task>{TASK_ID}):?\s*(?P<hint>.*)$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
 MARKER_FILE = ".labkit-workspace"  # present at the root of a learner workspace
+# The clone's torch build, as a pip requirement (with its index when it is not PyPI's), and
+# the line that installs the workspace with it: the README's learner block and
+# `labkit workspace`'s hint both say it, so a laptop's second environment gets the same
+# (CPU) build as the first instead of PyPI's CUDA one.
+TORCH_FILE = "torch-requirement.txt"
+INSTALL_LINE = f"pip install -r {TORCH_FILE} -e ."
+TORCH_INDEX = "https://download.pytorch.org/whl/"
 COPIED = ["README.md", "ARCHITECTURE.md", "pyproject.toml", "environment.yml", "environment-cpu.yml", ".gitignore",
           "labkit", "chapters", "labs", "tests"]
 IGNORED = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints", "*.egg-info")
@@ -138,14 +145,38 @@ def clear_outputs(notebook: Path) -> None:
     notebook.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
 
 
+def torch_requirement(version: str | None) -> str:
+    """A pip requirements file that installs torch ``version`` as installed (``2.13.0+cpu``:
+    from PyTorch's CPU index; ``2.13.0+cu126``: its CUDA 12.6 index; ``2.13.0``: PyPI's)."""
+    if version is None:
+        return "# torch was not installed where this workspace was made: pip takes pyproject.toml's pin\n"
+    head = "# the torch build of the clone this workspace was made from (labkit workspace wrote this)\n"
+    _, _, label = version.partition("+")
+    index = f"--extra-index-url {TORCH_INDEX}{label}\n" if label else ""
+    return f"{head}{index}torch=={version}\n"
+
+
+def installed_torch() -> str | None:
+    """The version of the torch this environment has (``2.13.0+cpu``), without importing it."""
+    from importlib import metadata
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def make_workspace(dest: Path, root: Path | None = None, force: bool = False) -> list[Region]:
     """Copy the course to ``dest`` with every solution region stubbed out."""
     root = root or course_root()
     if is_student_workspace(root):
         raise ValueError(f"{root} is a learner workspace already: make workspaces from the course itself")
     dest = Path(dest).resolve()
-    if dest == root or any(root / name in (dest, *dest.parents) for name in COPIED):
-        raise ValueError(f"refusing to write the workspace over the course itself ({dest})")
+    if dest == root or root in dest.parents:
+        raise ValueError(f"{dest} is inside the course's clone ({root}): a workspace goes beside it, "
+                         "e.g. labkit workspace ../my-labs")
+    if dest in root.parents:
+        raise ValueError(f"{dest} holds the course's clone ({root}): a workspace goes beside it, "
+                         "e.g. labkit workspace ../my-labs")
     if dest.exists() and any(dest.iterdir()):
         if not force:
             raise FileExistsError(f"{dest} exists and is not empty (use --force to replace it)")
@@ -162,6 +193,9 @@ def make_workspace(dest: Path, root: Path | None = None, force: bool = False) ->
         (dest / "labkit" / path.name).write_text(stub_source(path))
     for notebook in (dest / "labs").glob("*.ipynb"):
         clear_outputs(notebook)  # the lab's results come from the learner's own code
+    (dest / TORCH_FILE).write_text(torch_requirement(installed_torch()))
+    from labkit.course import catalog
+    catalog.write_uses(root, dest)   # what each lab runs of other chapters, read before the stubs
     hints = tasks(root / "labkit")
     (dest / MARKER_FILE).write_text("".join(f"{t}\t{hints[t]}\n" for t in sorted(hints)))
     return regions

@@ -258,15 +258,21 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
         # The caller holds the store's socket, so the port is ours until the launch ends.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=_as_timedelta(timeout + 60))
-        server, ranks = _RankServer.get(), []
+        ranks, interrupted = [], False
         try:
+            server = _RankServer.get()
             for rank in range(world_size):
                 ranks.append(_start_rank(server, rank, world_size, backend, store.port, rundir, timeout, restart,
                                          rpc_options))
             detector = deadlock.Detector(ranks, _dump_stacks, backend) if detect_deadlock else None
             return _supervise(server, ranks, timeout, detector, PEER_REPORT_WAIT if rpc_options else 0.0)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             _stop(ranks)
+            if interrupted:   # Ctrl-C: nothing of ours may outlive the caller, not even the server
+                _RankServer.shutdown()
             del store
 
 
@@ -330,6 +336,20 @@ class _RankServer:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """End this process's rank server now (its ranks are stopped first, by ``_stop``); the
+        next launch starts a new one. The server leads its own session: kill that group."""
+        with cls._lock:
+            server, cls._instance = cls._instance, None
+        if server is None or server.owner != os.getpid() or not server.alive():
+            return
+        try:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            server.proc.kill()
+        server.proc.wait()
 
     def fork(self, spec_path: str) -> int:
         with self._lock:
@@ -418,8 +438,15 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector
     return [_load(r.path("result", "pkl")) for r in ranks]
 
 
+# C++ warnings that tell a learner nothing and read as errors: a peer's RPC agent closing as
+# its rank leaves (tensorpipe's "eof"; the launcher reports why that rank left), and a reverse
+# lookup of a 127.0.0.1 socket that the machine's resolver cannot answer (c10d).
+QUIET_LINES = re.compile(r"tensorpipe_agent\.cpp.*encountered error when reading incoming (request|response) from \S+: eof"
+                         r"|\[c10d\] The hostname of the client socket cannot be retrieved")
+
+
 def _relay(r: _Rank, final: bool = False) -> None:
-    """Print the rank's new complete output lines, prefixed with its rank."""
+    """Print the rank's new complete output lines, prefixed with its rank (not QUIET_LINES)."""
     try:
         with open(r.path("out", "log"), "rb") as f:
             f.seek(r.read_offset)
@@ -433,7 +460,9 @@ def _relay(r: _Rank, final: bool = False) -> None:
         lines.append(r.pending)
         r.pending = b""
     for line in lines:
-        sys.stdout.write(f"[rank {r.rank}] {line.decode(errors='replace')}\n")
+        text = line.decode(errors="replace")
+        if not QUIET_LINES.search(text):
+            sys.stdout.write(f"[rank {r.rank}] {text}\n")
     if lines:
         sys.stdout.flush()
 

@@ -144,7 +144,10 @@ def _bed_request(request: dict, timeout: float):
         raise NetbedUnavailable(why)
     bed = subprocess.Popen([sys.executable, "-m", "labkit.runtime.netbed"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, preexec_fn=_enter(None, os.getpid()),
-                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+                           # TORCH_CPP_LOG_LEVEL: the store on rank 0 warns once per rank that it cannot
+                           # resolve a namespace's address to a hostname (c10d, "err=-3"): noise
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path),
+                                    TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")))
     try:
         out, _ = bed.communicate(pickle.dumps(request), timeout=timeout + 30)
     finally:

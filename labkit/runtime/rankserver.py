@@ -61,6 +61,28 @@ def _fork_rank(spec_path: str) -> int:
     return pid
 
 
+def _preload(caller: int) -> None:
+    """Import PRELOAD, and exit at once if the caller dies meanwhile (a Ctrl-C, a killed
+    pytest): the imports take seconds, and nothing else here would notice. The watcher is a
+    thread, so it is stopped and joined before the first fork."""
+    import threading
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            if os.getppid() != caller:
+                os._exit(0)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        for module in PRELOAD:
+            importlib.import_module(module)
+    finally:
+        done.set()
+        watcher.join()
+
+
 def main(tree: str | None = None) -> None:
     """Serve the caller; ``tree``: the folder holding the caller's labkit (ours must be it)."""
     if tree is not None:
@@ -72,8 +94,7 @@ def main(tree: str | None = None) -> None:
     # No PR_SET_PDEATHSIG here: it fires when the *thread* that started us exits, and a
     # caller may launch from a short-lived thread. The loop below watches the caller instead.
     caller = os.getppid()
-    for module in PRELOAD:
-        importlib.import_module(module)
+    _preload(caller)
     deadlock.install_journal()  # every rank forked from here journals its blocking calls
     children: dict[int, str] = {}
     stdin, buffered = sys.stdin.fileno(), b""
