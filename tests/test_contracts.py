@@ -87,6 +87,13 @@ class Net(nn.Module):
     def forward(self, x):
         return nn.functional.dropout(self.lin(x), 0.5)
 
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3).double()
+    def forward(self, x):
+        return self.lin(x.double())   # float64 parameters: a float64 output is the module's
+
 class Scale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -152,6 +159,10 @@ def test_floating_results_keep_the_input_dtype(fake):
     assert fake.exact_sum(torch.ones(3, dtype=torch.bfloat16)).dtype == torch.bfloat16
     with pytest.raises(contracts.ContractError, match="widened: returned torch.float32 for torch.bfloat16 inputs"):
         fake.widened(torch.ones(3, dtype=torch.bfloat16))
+
+
+def test_a_modules_output_follows_its_parameters(fake):
+    assert fake.Wide()(torch.ones(2, 3)).dtype == torch.float64
 
 
 def test_tensor_inside_a_list(fake):

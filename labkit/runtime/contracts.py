@@ -367,16 +367,21 @@ def _float_dtypes(value, depth=2) -> set:
 
 
 def _check_dtype(key, signature, args, kwargs, skip_first, result) -> None:
-    """Floating results keep the one floating dtype of the floating tensor arguments (a
-    function fed bf16 returns bf16): casting to float32 and back is the caller's choice."""
+    """Floating results keep the one floating dtype of the floating tensor arguments, and of
+    a module's parameters for its methods (a function fed bf16 returns bf16): casting to
+    float32 and back is the caller's choice. With several dtypes in play, no rule applies."""
     if signature is None or not _float_dtypes(result, 1):
         return
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError:
         return
-    values = list(bound.arguments.values())[1 if skip_first else 0:]
+    values = list(bound.arguments.values())
+    owner = values[0] if skip_first and values else None
+    values = values[1 if skip_first else 0:]
     given = set().union(*(_float_dtypes(v) for v in values)) if values else set()
+    if isinstance(owner, torch.nn.Module):   # a module's output follows its parameters too
+        given |= {p.dtype for p in owner.parameters() if p.is_floating_point()}
     if len(given) != 1:
         return
     (dtype,) = given
