@@ -249,13 +249,36 @@ def check_state(task_id: str, kind: str, ref, model, step: int) -> None:
                                         f"{name} vs the single-process reference")
 
 
-def shard_on_rank() -> None:
+def shard_on_rank(seed: int, draws: int) -> None:
     # Uninitialised memory (torch.empty) reads as NaN here, so padding left unwritten shows.
     torch.use_deterministic_algorithms(True)
     try:
         check_sharding()
+        check_drawn_shards(seed, draws)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def check_drawn_shards(seed: int, draws: int) -> None:
+    """shard_param on drawn shapes (1-3 dims, 1-9 rows) of every dtype a parameter may have
+    (and integers): the shard keeps the dtype; then fully_shard of drawn models whose units
+    hold float64 or float32 parameters: every shard keeps its parameter's dtype."""
+    from labkit.fsdp import fully_shard, shard_param
+    rng = random.Random(seed)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for _ in range(8 * draws):
+        shape = (rng.randint(1, 9), *(rng.randint(1, 4) for _ in range(rng.randint(0, 2))))
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64])
+        full = (torch.arange(math.prod(shape)).reshape(shape) + 1).to(dtype)
+        assert_close(shard_param(full, rank, n), expected_shard(full, rank, n),
+                     f"fsdp.shard: shard_param of a {dtype} tensor of shape {shape} (seed {seed}), rank {rank} of {n}")
+    for draw in range(draws):
+        cfg = draw_config(rng, n)
+        ref, model = DrawnNet(cfg), DrawnNet(cfg)
+        for i in cfg["units"]:
+            fully_shard(model.layers[i])
+        fully_shard(model)
+        check_shards("fsdp.shard", f"drawn model {cfg} (seed {seed})", ref, model, "after fully_shard")
 
 
 def check_sharding() -> None:
@@ -728,7 +751,7 @@ def drawn_on_rank(seed: int, draws: int) -> None:
 @task("fsdp.shard", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_shard(world_size):
-    run_graded("fsdp.shard", shard_on_rank, world_size)
+    run_graded("fsdp.shard", shard_on_rank, world_size, draw_seed(), DRAWS)
 
 
 @task("fsdp.forward", points=3)
