@@ -659,7 +659,8 @@ def draw_config(rng: random.Random, world: int) -> dict:
                 optimizer=rng.choice(["adamw", "sgd"]), steps=3,
                 rows=[rng.randint(1, 3) for _ in range(world)], seq=rng.randint(1, 4),
                 scale=rng.choice([0.25, 3.0, rng.uniform(0.1, 10)]),
-                use_sometimes=[rng.random() < 0.5 for _ in range(3)], data_seed=rng.randrange(2**31))
+                use_sometimes=[first := rng.random() < 0.5, not first, rng.random() < 0.5],  # changes
+                data_seed=rng.randrange(2**31))
 
 
 def drawn_optimizer(model, kind: str):

@@ -580,7 +580,7 @@ def test_split_gpt_composes_back_to_the_model():
         split_gpt(GPT(config(2, 1)), 3)
 
 
-def p2p_on_rank(subgroups=None):
+def p2p_on_rank(subgroups=None, seed: int = 0):
     """Stages on the whole world, or on each of ``subgroups`` (pipeline axes of a mesh),
     pass activations forward and gradients back, then run a GPipe step through the runner."""
     torch.set_num_threads(1)
@@ -592,17 +592,20 @@ def p2p_on_rank(subgroups=None):
         if members and dist.get_rank() not in members:
             continue
         exchange_on_rank(members, group)
+        # a second exchange in the same process: another shape and dtype (nothing kept from the first)
+        rng = random.Random(seed)
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 4)))
+        exchange_on_rank(members, group, shape, rng.choice([torch.float64, torch.bfloat16, torch.int64]))
         runner_step_on_rank(members, group)
 
 
-def exchange_on_rank(members, group) -> None:
+def exchange_on_rank(members, group, shape=(2, 3), dtype=torch.float32) -> None:
     """Each stage sends micro-batches 2, 0, 1 forward and 1, 2, 0 back (out of order: the
     tags keep them apart), computes while its sends are in flight, then waits for them. The
     messages posted must be exactly these, to and from global ranks, as they are posted."""
     from labkit import pp
     ranks = members or list(range(dist.get_world_size()))
     p, r = dist.get_world_size(group), dist.get_rank(group)
-    shape, dtype = (2, 3), torch.float32
     nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
     where = f"pp.p2p: {p} stages on " + (f"sub-group {members}" if members else "the whole world")
     what = f"{where}, stage {r} (global rank {ranks[r]})"
@@ -629,23 +632,25 @@ def exchange_on_rank(members, group) -> None:
     with StageTracer(where, plan, async_sends=True) as tracer:
         if r < p - 1:
             for i in (2, 0, 1):
-                kept.append(torch.full(shape, 10.0 * r + i))
+                kept.append(torch.full(shape, 10.0 * r + i, dtype=dtype))
                 works.append(sent(pp.send_forward(kept[-1], i, r, p, group), "send_forward"))
         if r > 0:
             for i in (0, 1, 2):
                 got = pp.recv_forward(shape, dtype, i, r, p, group)
                 tracer.assert_received()
-                assert torch.equal(got, torch.full(shape, 10.0 * (r - 1) + i)), \
-                    f"{what}: received {got[0, 0].item()} for micro-batch {i} from the previous stage"
+                assert torch.equal(got, torch.full(shape, 10.0 * (r - 1) + i, dtype=dtype)), \
+                    f"{what}: received {got.flatten()[0].item()} ({got.dtype} {tuple(got.shape)}) for micro-batch {i} " \
+                    f"from the previous stage; sent {dtype} {shape}"
             for i in (1, 2, 0):
-                kept.append(torch.full(shape, -10.0 * r - i))
+                kept.append(torch.full(shape, -10.0 * r - i, dtype=dtype))
                 works.append(sent(pp.send_backward(kept[-1], i, r, p, group), "send_backward"))
         if r < p - 1:
             for i in (0, 1, 2):
                 got = pp.recv_backward(shape, dtype, i, r, p, group)
                 tracer.assert_received()
-                assert torch.equal(got, torch.full(shape, -10.0 * (r + 1) - i)), \
-                    f"{what}: received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
+                assert torch.equal(got, torch.full(shape, -10.0 * (r + 1) - i, dtype=dtype)), \
+                    f"{what}: received gradient {got.flatten()[0].item()} ({got.dtype} {tuple(got.shape)}) for " \
+                    f"micro-batch {i} from the next stage; sent {dtype} {shape}"
         work_meanwhile = torch.ones(8, 8) @ torch.ones(8, 8)  # the stage computes while its sends travel
         for work in works:
             work.wait()
@@ -691,14 +696,14 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
 @task("pp.p2p", points=3)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_activations_and_gradients_reach_their_stage(world_size):
-    run_graded("pp.p2p", p2p_on_rank, world_size)
+    run_graded("pp.p2p", p2p_on_rank, world_size, None, draw_seed())
 
 
 @task("pp.p2p", points=1)
 def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
     # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3;
     # then the strided axis of a 2x2 grid: 2 stages on 0, 2, then on 1, 3
-    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS)
+    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS, draw_seed())
 
 
 # ----------------------------------------------------------------------------- schedules

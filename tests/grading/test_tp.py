@@ -46,7 +46,7 @@ B, T = 3, 8
 STEPS = 5
 DTYPE = torch.float64  # every tensor of these tests but the drawn configurations'
 LONG = os.environ.get("LABKIT_LONG") == "1"
-DRAWS = 24 if LONG else 3  # drawn configurations per launch (see "drawn configurations" below)
+DRAWS = 24 if LONG else 4  # each run sees every dtype, input rank and option (they cycle, from a drawn start)  # drawn configurations per launch (see "drawn configurations" below)
 
 
 def draw_seed() -> int:
@@ -172,10 +172,11 @@ def seeded_copy(module, gen):
 def drawn_f_g(seed: int, draws: int, groups) -> None:
     from labkit.tp import copy_to_parallel, reduce_from_parallel
     rng = random.Random(seed)
+    start = rng.randrange(4)
     for draw in range(draws):
         group = groups[rng.randrange(len(groups))]
         shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
-        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
+        dtype = [torch.float64, torch.float32, torch.bfloat16, torch.float16][(draw + start) % 4]
         gen = torch.Generator().manual_seed(rng.randrange(2**31))
         ups = [drawn(shape, dtype, gen) for _ in range(group.n)]
         parts = [drawn(shape, dtype, gen) for _ in range(group.n)]
@@ -203,13 +204,14 @@ def drawn_linear(kind: str, seed: int, draws: int, groups) -> None:
     from labkit.tp import ColumnParallelLinear, RowParallelLinear
     task_id = f"tp.{kind}"
     rng = random.Random(seed)
+    start = rng.randrange(4)
     for draw in range(draws):
         group = groups[rng.randrange(len(groups))]
         n, rank = group.n, group.rank
-        dtype = rng.choice([torch.float64, torch.float32])
-        lead = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 3)))  # none: a 1-D input
+        dtype = [torch.float64, torch.float32][(draw + start) % 2]
+        lead = tuple(rng.randint(1, 3) for _ in range((draw + start) % 4))  # none: a 1-D input
         fin, fout = (rng.randint(1, 9), n * rng.randint(1, 4)) if kind == "column" else (n * rng.randint(1, 4), rng.randint(1, 9))
-        bias, option, scale = rng.random() < 0.5, rng.random() < 0.5, rng.choice([0.5, 4.0])
+        bias, option, scale = (draw + start) // 2 % 2 == 0, rng.random() < 0.5, rng.choice([0.5, 4.0])
         gen = torch.Generator().manual_seed(rng.randrange(2**31))
         with torch.random.fork_rng(devices=[]):
             full = seeded_copy(nn.Linear(fin, fout, bias=bias), gen).to(dtype)
@@ -292,12 +294,13 @@ def drawn_vocab(seed: int, draws: int, groups) -> None:
     (VocabParallelCrossEntropy.apply) with a random incoming gradient per token."""
     from labkit.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
     rng = random.Random(seed)
+    start = rng.randrange(6)
     for draw in range(draws):
         group = groups[rng.randrange(len(groups))]
         n, rank = group.n, group.rank
         V, dim = n * rng.randint(1, 6), rng.randint(1, 5)
-        dtype = rng.choice([torch.float64, torch.float32])
-        lead = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        dtype = [torch.float64, torch.float32][(draw + start) % 2]
+        lead = tuple(rng.randint(1, 4) for _ in range(1 + (draw + start) % 3))
         gen = torch.Generator().manual_seed(rng.randrange(2**31))
         what = f"drawn configuration {draw} of seed {seed}: V={V}, ids {lead}, {dtype}{group}"
         with torch.random.fork_rng(devices=[]):
