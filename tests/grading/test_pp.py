@@ -606,7 +606,7 @@ def exchange_on_rank(members, group, shape=(2, 3), dtype=torch.float32) -> None:
     from labkit import pp
     ranks = members or list(range(dist.get_world_size()))
     p, r = dist.get_world_size(group), dist.get_rank(group)
-    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     where = f"pp.p2p: {p} stages on " + (f"sub-group {members}" if members else "the whole world")
     what = f"{where}, stage {r} (global rank {ranks[r]})"
 
