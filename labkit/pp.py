@@ -516,8 +516,9 @@ class PipelineRunner:
                 if s in self.deferred:
                     self.deferred[s].current = pending_w.setdefault((i, s), [])
                 out = stage(x)
-                if s == last:  # weighted by the micro-batch's share of the batch (uneven when m does not divide B)
-                    out = loss_fn(out, micro_targets[i]) * (len(micro_targets[i]) / len(targets))
+                if s == last:  # weighted by its share of the batch (tensor_split is uneven if m does not divide B)
+                    part = loss_fn(out, micro_targets[i])
+                    out = part / m if len(targets) % m == 0 else part * (len(micro_targets[i]) / len(targets))
                     total_loss = out.detach() if total_loss is None else total_loss + out.detach()
                 else:
                     forward_sends[(i, s)] = send_forward(out.detach(), i, s, self.num_ranks, self.group)
