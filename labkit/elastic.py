@@ -159,6 +159,15 @@ def put_optimizer_rows(optimizer, model: nn.Module, rows: dict[str, torch.Tensor
             optimizer.state[p] = state
 
 
+def put_group_options(optimizer, options: list[dict]) -> None:
+    """Set each param group's options back (``group_options``' list; the parameters stay)."""
+    if len(options) != len(optimizer.param_groups):
+        raise CheckpointError(f"the checkpoint has {len(options)} param groups, this optimizer "
+                              f"{len(optimizer.param_groups)}: a checkpoint of another optimizer")
+    for group, saved in zip(optimizer.param_groups, options):
+        group.update(saved)
+
+
 def file_digest(path: Path) -> dict:
     """Size and SHA-256 of a file, read in blocks (shards can be gigabytes)."""
     digest, size = hashlib.sha256(), 0
@@ -181,11 +190,19 @@ class Progress:
     losses: list = field(default_factory=list)
 
 
+def group_options(optimizer) -> list[dict]:
+    """Each param group's options (lr, weight decay, betas...; everything but its parameters):
+    an LR schedule changes them as training goes, so an exact resume needs them too."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
 def capture_state(model: nn.Module, optimizer, progress: Progress) -> dict:
     """Everything this rank needs to continue exactly: {"model": model_pieces, "optimizer":
-    optimizer_pieces, "progress": progress as a dict, "rng": {"torch": ..., "python": ...}}."""
-    # BEGIN SOLUTION elastic.state: model_pieces, optimizer_pieces, vars(progress) (copy the list), and torch.get_rng_state() / random.getstate()
+    optimizer_pieces, "groups": group_options, "progress": progress as a dict, "rng":
+    {"torch": ..., "python": ...}}."""
+    # BEGIN SOLUTION elastic.state: model_pieces, optimizer_pieces, group_options, vars(progress) (copy the list), and torch.get_rng_state() / random.getstate()
     return dict(model=model_pieces(model), optimizer=optimizer_pieces(optimizer, model),
+                groups=group_options(optimizer),
                 progress=dict(vars(progress), losses=list(progress.losses)),
                 rng=dict(torch=torch.get_rng_state(), python=random.getstate()))
     # END SOLUTION
@@ -193,10 +210,12 @@ def capture_state(model: nn.Module, optimizer, progress: Progress) -> dict:
 
 def restore_state(state: dict, model: nn.Module, optimizer) -> Progress:
     """The inverse of ``capture_state`` on the same layout: write the pieces back into the
-    model and optimizer, restore both RNGs, return the ``Progress``."""
-    # BEGIN SOLUTION elastic.state: put_model_rows / put_optimizer_rows with each piece's tensor; torch.set_rng_state, random.setstate; Progress(**state["progress"])
+    model and optimizer (its state and every group's options), restore both RNGs, return the
+    ``Progress``."""
+    # BEGIN SOLUTION elastic.state: put_model_rows / put_optimizer_rows with each piece's tensor; put_group_options; torch.set_rng_state, random.setstate; Progress(**state["progress"])
     put_model_rows(model, {name: piece.tensor for name, piece in state["model"].items()})
     put_optimizer_rows(optimizer, model, {name: piece.tensor for name, piece in state["optimizer"].items()})
+    put_group_options(optimizer, state["groups"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     return Progress(**state["progress"])
@@ -322,11 +341,12 @@ def load_checkpoint(path, model: nn.Module, optimizer) -> Progress:
     """Load the checkpoint at ``path`` into this rank's ``model`` and ``optimizer``, whatever
     world size wrote it: for every tensor, the rows the current layout needs
     (``needed_rows``; the optimizer state follows its parameter), read from the files that
-    hold them and written back with ``put_model_rows``/``put_optimizer_rows``. RNG states are
-    restored when the world size is unchanged. Returns the ``Progress``.
+    hold them and written back with ``put_model_rows``/``put_optimizer_rows``; every param
+    group's options (``put_group_options``). RNG states are restored when the world size is
+    unchanged. Returns the ``Progress``.
     ``CheckpointError`` (naming the file) for a damaged checkpoint or one whose tensors do not
     have this model's shapes or names."""
-    # BEGIN SOLUTION elastic.load: metadata = validate_checkpoint(path); for each needed name check the shape, assemble rows [start, start + rows) from the pieces (torch.load their files once); put the rows; progress and RNG from this rank's file if same world size (else rank 0's progress)
+    # BEGIN SOLUTION elastic.load: metadata = validate_checkpoint(path); for each needed name check the shape, assemble rows [start, start + rows) from the pieces (torch.load their files once); put the rows; group options, progress and RNG from this rank's file if same world size (else rank 0's)
     path = Path(path)
     metadata = validate_checkpoint(path)
     files: dict[str, dict] = {}
@@ -370,6 +390,7 @@ def load_checkpoint(path, model: nn.Module, optimizer) -> Progress:
     put_optimizer_rows(optimizer, model, optimizer_rows)
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = read(f"rank{rank}.pt" if metadata["world_size"] == world else "rank0.pt")
+    put_group_options(optimizer, mine["groups"])  # the same on every rank
     if metadata["world_size"] == world:
         torch.set_rng_state(mine["rng"]["torch"])
         random.setstate(mine["rng"]["python"])

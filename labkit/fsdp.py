@@ -311,6 +311,10 @@ class FSDPUnit:
                     owned[id(p)] = ShardedParam(p.shape, [], None, *policy_dtypes(mp_policy))
                     originals.append(p)
                 owned[id(p)].places.append((m, name))
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in originals}
+        if len(dtypes) > 1 and policy_dtypes(mp_policy)[0] is None:  # one flat buffer has one dtype
+            raise ValueError(f"fully_shard({self.name}): its parameters mix dtypes {sorted(dtypes)}; one unit "
+                             "gathers them in one buffer: give each dtype its own unit, or an mp_policy")
         self.params = list(owned.values())
         self.original_ids = set(owned)  # ids only: holding the originals would keep them alive
         self.shard_parameters(originals)
@@ -547,7 +551,9 @@ def fully_shard(module: nn.Module, process_group=None, *, reshard_after_forward:
     such as norms); their gradients are averaged over the group during backward, like DDP's
     (in their own dtype; with ``mp_policy`` they compute in ``param_dtype`` like the rest).
     (torch's ``ignored_params`` also leaves parameters whole, but does not reduce their
-    gradients.) Returns ``module``.
+    gradients.) The parameters of one unit share one dtype (ValueError otherwise, as in
+    FSDP2), unless ``mp_policy`` casts them all to ``param_dtype``; units may differ. Returns
+    ``module``.
     """
     if hasattr(module, UNIT_ATTR):
         raise ValueError(f"{type(module).__name__} is already sharded")

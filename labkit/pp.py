@@ -470,7 +470,10 @@ class PipelineRunner:
     loss on the rank of the last stage (None elsewhere) and a ``Trace``. A stage module is a
     ``StageModule`` or anything like it: ``forward`` (token ids in on the first stage, logits
     out of the last), ``hidden_size`` (activations between stages are [B, T, hidden_size]),
-    and optionally ``tied``/``tied_weight()``."""
+    and optionally ``tied``/``tied_weight()``. The batch is cut into m micro-batches with
+    ``tensor_split`` (uneven when m does not divide B); each micro-batch's loss is weighted by
+    its share of the batch's sequences, so that with a per-token mean ``loss_fn`` the step's
+    loss and gradients are the whole batch's."""
 
     def __init__(self, stages: dict[int, StageModule], num_stages: int, *, deferred_weights: bool = False,
                  group=None):
@@ -513,8 +516,9 @@ class PipelineRunner:
                 if s in self.deferred:
                     self.deferred[s].current = pending_w.setdefault((i, s), [])
                 out = stage(x)
-                if s == last:
-                    out = loss_fn(out, micro_targets[i]) / m
+                if s == last:  # weighted by its share of the batch (tensor_split is uneven if m does not divide B)
+                    part = loss_fn(out, micro_targets[i])
+                    out = part / m if len(targets) % m == 0 else part * (len(micro_targets[i]) / len(targets))
                     total_loss = out.detach() if total_loss is None else total_loss + out.detach()
                 else:
                     forward_sends[(i, s)] = send_forward(out.detach(), i, s, self.num_ranks, self.group)

@@ -78,8 +78,16 @@ def build(kind: str):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients=True, lr=1e-2)
+        return model, torch.optim.AdamW(param_groups(model), lr=1e-2)
+    return model, ShardedOptimizer(param_groups(model), torch.optim.AdamW, shard_gradients=True, lr=1e-2)
+
+
+def param_groups(model) -> list[dict]:
+    """Two groups with their own options: matrices (weight decay 0.1), biases and LayerNorms
+    (another lr, no decay); ``train_steps`` decays every group's lr each step (a schedule), so the
+    options are state too: a resume that rebuilds them from the constructor drifts."""
+    return [dict(params=[p for p in model.parameters() if p.dim() > 1], weight_decay=0.1),
+            dict(params=[p for p in model.parameters() if p.dim() <= 1], lr=3e-2, weight_decay=0.0)]
 
 
 def gpt_loss(model, x, y):
@@ -94,6 +102,8 @@ def train_steps(model, opt, first: int, count: int) -> list[float]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        for group in opt.param_groups:  # an LR schedule: the options change as training goes
+            group["lr"] *= 0.8
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(value.item() / dist.get_world_size())
@@ -167,12 +177,18 @@ def state_on_rank(kind: str):
                 f"{what}: state[{section!r}][{name!r}] is not this rank's piece at capture time"
     assert set(state["rng"]) >= {"torch", "python"}, \
         f"{what}: state['rng'] holds {sorted(state['rng'])}; both RNG states (torch, python) are needed"
+    state_options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     progress.losses.append(99.0)  # the caller's run goes on: the captured state may not
     progress.step = 99
     draw = (torch.rand(3), random.random())
     first_run = train_steps(model, opt, 2, 2)
+    options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     with CommTracer() as restored:
         back = restore_state(state, model, opt)
+    now = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    assert [g["lr"] for g in now] != [g["lr"] for g in options] and now == state_options, \
+        (f"{what}: after restore_state the param groups' options are {now}; at capture they were {state_options} "
+         "(an LR schedule changed them since: capture and restore every group's options)")
     assert (back.step, back.epoch, back.position, back.losses) == (2, 1, 2 * BATCH, losses), \
         (f"{what}: restored progress (step, epoch, position, losses) = "
          f"{(back.step, back.epoch, back.position, back.losses)}, "
@@ -735,7 +751,7 @@ def train_both_and_save(root: str, steps: int):
     from labkit.oracles import builtin_fully_shard, dcp_save
     model, opt = build("fsdp")
     theirs = builtin_fully_shard(GPT(gpt_config()).double())
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    their_opt = torch.optim.AdamW(param_groups(theirs), lr=1e-2)
     for step in range(steps):
         for m, o in ((model, opt), (theirs, their_opt)):
             gpt_loss(m, *my_batch(step)).backward()
@@ -755,7 +771,7 @@ def load_both_full(root: str, steps: int):
     load_checkpoint(checkpoint_dir(f"{root}/ours", steps), model, opt)
     ours = full_state_dict(model)
     theirs = oracles.builtin_fully_shard(GPT(gpt_config()).double())
-    their_opt = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    their_opt = torch.optim.AdamW(param_groups(theirs), lr=1e-2)
     oracles.dcp_load(theirs, their_opt, f"{root}/dcp")
     full = oracles.full_state_dict(theirs)
     return (ours, full) if dist.get_rank() == 0 else None

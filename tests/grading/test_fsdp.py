@@ -38,6 +38,8 @@ the group rank's rows, the traffic names the group's ranks only:
 
 import functools
 import math
+import os
+import random
 import time
 import weakref
 
@@ -46,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from labkit.check import assert_close
+from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
 
@@ -55,6 +57,15 @@ BATCH = 12      # global batch: divides by 1, 2, 3 and 4, so every rank gets an 
 STEPS = 5
 LR = 1e-2       # AdamW with its default weight decay 0.01: a frozen or unused parameter
                 # that wrongly got a (zero) gradient would still move
+LONG = os.environ.get("LABKIT_LONG") == "1"
+DRAWS = 16 if LONG else 2  # drawn configurations per launch (drawn_on_rank)
+
+
+def draw_seed() -> int:
+    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    return seed
 
 
 # ----------------------------------------------------------------------------- on every rank
@@ -238,13 +249,36 @@ def check_state(task_id: str, kind: str, ref, model, step: int) -> None:
                                         f"{name} vs the single-process reference")
 
 
-def shard_on_rank() -> None:
+def shard_on_rank(seed: int, draws: int) -> None:
     # Uninitialised memory (torch.empty) reads as NaN here, so padding left unwritten shows.
     torch.use_deterministic_algorithms(True)
     try:
         check_sharding()
+        check_drawn_shards(seed, draws)
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def check_drawn_shards(seed: int, draws: int) -> None:
+    """shard_param on drawn shapes (1-3 dims, 1-9 rows) of every dtype a parameter may have
+    (and integers): the shard keeps the dtype; then fully_shard of drawn models whose units
+    hold float64 or float32 parameters: every shard keeps its parameter's dtype."""
+    from labkit.fsdp import fully_shard, shard_param
+    rng = random.Random(seed)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for _ in range(8 * draws):
+        shape = (rng.randint(1, 9), *(rng.randint(1, 4) for _ in range(rng.randint(0, 2))))
+        dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64])
+        full = (torch.arange(math.prod(shape)).reshape(shape) + 1).to(dtype)
+        assert_close(shard_param(full, rank, n), expected_shard(full, rank, n),
+                     f"fsdp.shard: shard_param of a {dtype} tensor of shape {shape} (seed {seed}), rank {rank} of {n}")
+    for draw in range(draws):
+        cfg = draw_config(rng, n)
+        ref, model = DrawnNet(cfg), DrawnNet(cfg)
+        for i in cfg["units"]:
+            fully_shard(model.layers[i])
+        fully_shard(model)
+        check_shards("fsdp.shard", f"drawn model {cfg} (seed {seed})", ref, model, "after fully_shard")
 
 
 def check_sharding() -> None:
@@ -451,8 +485,9 @@ def check_backward_traffic(tracer, started, what, kind, ref, units, with_grad, k
     check_signature(tracer.events, what, forward, backward)
 
 
-def backward_on_rank() -> list:
+def backward_on_rank(seed: int, draws: int) -> list:
     one_thread()
+    drawn_on_rank(seed, draws)
     losses = {}
     # toy1 keeps its parameters from forward to backward: no all-gather in backward
     for kind, options in [("toy", {}), ("toy1", dict(reshard_after_forward=False)), ("gpt", {})]:
@@ -564,13 +599,160 @@ def accumulate_kept() -> None:
             assert_close(p.grad, expected_shard(expected, rank, n), f"{what}: gradient of {name}'s shard")
 
 
+# ----------------------------------------------------------------------------- drawn configurations
+
+
+class DrawnNet(torch.nn.Module):
+    """A model drawn from ``cfg`` (see ``draw_config``): token ids (integers: no gradient) ->
+    embedding [V, d] -> Linear layers of drawn widths (row counts below, at and above N, not
+    multiples of N), some without bias, some in float32 beside float64 ones, one frozen ->
+    ``sometimes`` (a layer used only on some steps) -> a head tied to the embedding."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        import torch.nn as nn
+        gen = torch.Generator().manual_seed(cfg["seed"])
+        widths = cfg["widths"]
+        with torch.random.fork_rng(devices=[]):  # the layers' own init draws are overwritten below
+            self.emb = nn.Embedding(cfg["vocab"], widths[0])
+            self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias)
+                                        for a, b, bias in zip(widths, widths[1:], cfg["bias"]))
+            self.sometimes = nn.Linear(widths[-1], widths[-1], bias=False)
+        self.unused = nn.Parameter(torch.zeros(3))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(max(p.shape[-1], 1)))
+        self.double()
+        for layer, dtype in zip(self.layers, cfg["dtypes"]):
+            layer.to(dtype)
+        if cfg["frozen"] is not None:
+            self.layers[cfg["frozen"]].requires_grad_(False)
+
+    def forward(self, ids, use_sometimes: bool):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h.to(layer.weight.dtype))).double()
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return torch.nn.functional.linear(h, self.emb.weight)  # tied: the embedding again
+
+
+def draw_config(rng: random.Random, world: int) -> dict:
+    """One configuration from the documented space of fully_shard: shapes (widths 1-9, so rows
+    below, at and above N and uneven shards), bias or not per layer, float64/float32 per layer
+    (a unit's parameters share one dtype: a float32 layer is always its own unit), which layers
+    are units, reshard_after_forward and prefetch per unit, the group (the world or a
+    subgroup), the optimizer (AdamW or momentum SGD, two param groups: no weight decay and
+    another lr for biases and 1-D parameters), per-rank batch sizes and sequence lengths, a
+    loss scale, which steps use ``sometimes``."""
+    layers = rng.randint(1, 3)
+    widths = [rng.randint(1, 9) for _ in range(layers)]
+    widths = widths + [widths[0]]  # the tied head maps back to the embedding's width
+    dtypes = [rng.choice([torch.float64, torch.float32]) for _ in range(layers)]
+    units = [i for i in range(layers) if dtypes[i] != torch.float64 or rng.random() < 0.5]
+    return dict(seed=rng.randrange(2**31), vocab=rng.randint(1, 11), widths=widths,
+                bias=[rng.random() < 0.6 for _ in range(layers)], dtypes=dtypes, units=units,
+                frozen=rng.choice([None, *range(layers)]),
+                sometimes_unit=rng.random() < 0.5,
+                reshard={u: rng.random() < 0.6 for u in ["", "sometimes", *map(str, units)]},
+                prefetch=rng.random() < 0.5, partition=rng.randrange(1 + len(PARTITIONS.get(world, []))),
+                optimizer=rng.choice(["adamw", "sgd"]), steps=3,
+                rows=[rng.randint(1, 3) for _ in range(world)], seq=rng.randint(1, 4),
+                scale=rng.choice([0.25, 3.0, rng.uniform(0.1, 10)]),
+                use_sometimes=[first := rng.random() < 0.5, not first, rng.random() < 0.5],  # changes
+                data_seed=rng.randrange(2**31))
+
+
+def drawn_optimizer(model, kind: str):
+    """Two param groups: weights (lr, weight decay) and biases/1-D parameters (another lr, no decay)."""
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    if kind == "adamw":
+        return torch.optim.AdamW([dict(params=matrices, lr=1e-2, weight_decay=0.1),
+                                  dict(params=vectors, lr=3e-2, weight_decay=0.0)])
+    return torch.optim.SGD([dict(params=matrices, lr=0.05, momentum=0.9, weight_decay=1e-2),
+                            dict(params=vectors, lr=0.2, momentum=0.5, weight_decay=0.0)], lr=0.1)
+
+
+def drawn_on_rank(seed: int, draws: int) -> None:
+    """``draws`` configurations from ``seed`` (the same on every rank), each trained 3 steps
+    next to the single-process model: shard gradients (dtype, value, None where the reference
+    has none) after every step, and the full state after every optimizer step."""
+    from labkit.fsdp import full_state_dict, fully_shard, units_of
+    one_thread()
+    rng = random.Random(seed)
+    groups = [(None, list(range(dist.get_world_size())))] + subgroups()
+    for draw in range(draws):
+        cfg = draw_config(rng, dist.get_world_size())
+        group, ranks = groups[cfg["partition"]]
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        what = f"fsdp.backward: drawn configuration {draw} of seed {seed} ({cfg}), rank {dist.get_rank()} " \
+               f"(rank {rank} of {n} in ranks {ranks})"
+        ref, model = DrawnNet(cfg), DrawnNet(cfg)
+        options = lambda u: dict(process_group=group, prefetch=cfg["prefetch"],  # noqa: E731
+                                 reshard_after_forward=cfg["reshard"][u])
+        for i in cfg["units"]:
+            fully_shard(model.layers[i], **options(str(i)))
+        if cfg["sometimes_unit"]:
+            fully_shard(model.sometimes, **options("sometimes"))
+        fully_shard(model, **options(""))
+        opt, ref_opt = drawn_optimizer(model, cfg["optimizer"]), drawn_optimizer(ref, cfg["optimizer"])
+        # A float64 value computed through a float32 layer is as exact as float32: the model's
+        # lowest precision sets the tolerance of every comparison (labkit.check's, per dtype),
+        # x10 with float32: three optimizer steps (lr up to 0.2, loss scale up to 10) carry the
+        # ranks' reordered float32 sums forward (measured: up to 2e-5 relative at step 2).
+        low = min(cfg["dtypes"], key=lambda d: d.itemsize)
+        tol = dict(zip(("rtol", "atol"), (10 * t for t in tolerance(low)) if low == torch.float32 else tolerance(low)))
+        gen = torch.Generator().manual_seed(cfg["data_seed"])
+        rows = [cfg["rows"][r] for r in range(n)]  # this group's ranks' batch sizes (uneven)
+        for step in range(cfg["steps"]):
+            ids = torch.randint(0, cfg["vocab"], (sum(rows), cfg["seq"]), generator=gen)
+            grad_out = torch.randn(sum(rows), cfg["seq"], cfg["vocab"], generator=gen, dtype=torch.float64)
+            use = cfg["use_sometimes"][step]
+            start = sum(rows[:rank])
+            mine = slice(start, start + rows[rank])
+            out = model(ids[mine], use)
+            assert out.dtype == torch.float64 and out.shape == (rows[rank], cfg["seq"], cfg["vocab"]), \
+                f"{what}, step {step}: output {out.dtype} {tuple(out.shape)}"
+            out.backward(grad_out[mine] * cfg["scale"])  # a random incoming gradient, scaled
+            # FSDP averages over the group: the reference sums every rank's share, divided by N.
+            ref(ids, use).backward(grad_out * cfg["scale"] / n)
+            for name, p in model.named_parameters():
+                expected = ref.get_parameter(name)
+                assert p.dtype == expected.dtype, f"{what}, step {step}: shard of {name} is {p.dtype}, not {expected.dtype}"
+                if expected.grad is None:
+                    assert p.grad is None, f"{what}, step {step}: {name} has a gradient; the reference has none"
+                else:
+                    assert p.grad is not None, f"{what}, step {step}: {name} has no gradient after backward"
+                    assert_close(p.grad, expected_shard(expected.grad, rank, n),
+                                 f"{what}, step {step}: gradient of {name}'s shard", **tol)
+            assert all(u.full is None and u.pending is None for u in units_of(model)), \
+                f"{what}, step {step}: a unit still holds its full parameters or a pending all-gather after backward"
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            full = full_state_dict(model)
+            for name, value in ref.state_dict().items():
+                assert_close(full[name], value, f"{what}, after step {step}: {name}", **tol)
+    # One unit, two dtypes, no mp_policy: refused before any communication.
+    mixed = DrawnNet(dict(seed=0, vocab=3, widths=[2, 3, 2], bias=[True], dtypes=[torch.float32], frozen=None))
+    with CommTracer() as tracer:
+        try:
+            fully_shard(mixed)
+        except ValueError as error:
+            assert "dtype" in str(error), f"fsdp.shard: the error for mixed dtypes does not say so: {error}"
+        else:
+            raise AssertionError("fsdp.shard: fully_shard accepted one unit of float64 and float32 parameters")
+    assert_ops(tracer, [], "fsdp.shard: fully_shard of mixed dtypes must refuse before communicating")
+
+
 # ----------------------------------------------------------------------------- tests
 
 
 @task("fsdp.shard", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_shard(world_size):
-    run_graded("fsdp.shard", shard_on_rank, world_size)
+    run_graded("fsdp.shard", shard_on_rank, world_size, draw_seed(), DRAWS)
 
 
 @task("fsdp.forward", points=3)
@@ -582,7 +764,7 @@ def test_forward_gathers_then_frees(world_size):
 @task("fsdp.backward", points=3)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_training_matches_single_process_and_fully_shard(world_size):
-    run_graded("fsdp.backward", backward_on_rank, world_size)
+    run_graded("fsdp.backward", backward_on_rank, world_size, draw_seed(), DRAWS)
 
 
 @task("fsdp.prefetch", points=2)

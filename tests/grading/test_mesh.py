@@ -20,6 +20,8 @@ and a 4-byte step counter per tensor).
 
 import contextlib
 import math
+import os
+import random
 
 import pytest
 import torch
@@ -116,13 +118,25 @@ def test_groups_match_init_device_mesh(shape):
 
 @task("mesh.grid", points=1)
 def test_degrees_that_do_not_multiply_to_the_world_are_refused():
-    from labkit.mesh import RankGrid
+    from labkit.mesh import AXES, RankGrid
     with pytest.raises(ValueError, match="world"):
         RankGrid(8, dp=2, tp=2)
     with pytest.raises(ValueError, match="tp"):
         RankGrid(4, dp=4, tp=0)
     with pytest.raises(ValueError, match="dp"):
         RankGrid(4, dp=-2, pp=-2)  # multiplies to the world, but a degree is at least 1
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    rng = random.Random(seed)
+    for _ in range(200 if os.environ.get("LABKIT_LONG") == "1" else 20):  # drawn grids, up to 6 per axis
+        shape = tuple(rng.randint(1, 6) for _ in range(4))
+        world = math.prod(shape)
+        check_layout_of(RankGrid(world, **dict(zip(AXES, shape))), torch.arange(world).view(shape),
+                        f" (drawn, seed {seed}, world {world})")
+        wrong = world + rng.choice([-1, 1]) * rng.randint(1, world)
+        if wrong > 0:
+            with pytest.raises(ValueError, match="world"):
+                RankGrid(wrong, **dict(zip(AXES, shape)))
     grid = RankGrid(8, dp=2, pp=2, tp=2)
     assert [grid.rank_of(grid.coords(r)) for r in range(8)] == list(range(8)), "mesh.grid: rank_of(coords(r)) != r"
     assert grid.axis_ranks("tp", 5) == [4, 5] and grid.axis_ranks("dp", 5) == [1, 5] and grid.axis_ranks("pp", 5) == [5, 7], \

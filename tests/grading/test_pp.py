@@ -45,6 +45,8 @@ waited on before any computation fails as it is waited on, world and every subgr
 """
 
 import itertools
+import os
+import random
 import re
 
 import pytest
@@ -63,6 +65,15 @@ SCHEDULES = {"gpipe": "pp.gpipe", "1f1b": "pp.1f1b", "interleaved": "pp.interlea
 SUBGROUPS = [[1, 2, 3], [0, 1, 3], [0, 2], [1, 3]]  # pipeline axes of a 4-rank mesh, as in chapter 08
 AFTER_THE_WORLD = {3: [[0, 2]]}  # in the world's own launch: a pipeline of 2 beside a bystander
 FLOAT64 = torch.empty((), dtype=torch.float64).element_size()
+LONG = os.environ.get("LABKIT_LONG") == "1"
+DRAWS = 8 if LONG else 1  # drawn pipelines per launch (drawn_pipeline); x40 drawn table shapes
+
+
+def draw_seed() -> int:
+    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    return seed
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -401,8 +412,75 @@ def measured_micro_batches(kind: str, m: int) -> float:
     return 1 + (max(samples) - samples[0]) / (second - first)
 
 
-def run_schedule_on_rank(kind: str, ms: list[int], v: int, memory_m: int | None):
+def drawn_optimizer(params, kind: str):
+    """Two param groups: matrices (lr, weight decay), biases/LayerNorms (another lr, no decay)."""
+    matrices, vectors = [q for q in params if q.dim() > 1], [q for q in params if q.dim() <= 1]
+    groups = [dict(params=matrices, lr=1e-2, weight_decay=0.1), dict(params=vectors, lr=3e-2, weight_decay=0.0)]
+    if kind == "adamw":  # eps 1e-6: the key bias's true gradient is 0; eps 1e-8 would amplify its rounding
+        return torch.optim.AdamW([g for g in groups if g["params"]], eps=1e-6)
+    return torch.optim.SGD([dict(g, momentum=0.9) for g in groups if g["params"]], lr=0.1)
+
+
+def drawn_pipeline(kind: str, seed: int, draws: int) -> None:
+    """``draws`` pipelines drawn from ``seed`` (the same on every rank): m (not a multiple of p
+    unless the schedule needs it), v (interleaved), more blocks than stages (uneven stages), a
+    batch of m to 2m + 1 sequences (micro-batches of unequal size when m does not divide it),
+    sequence length, heads, width, bias, tied or not, float64 or float32, AdamW or momentum SGD
+    with two param groups; 3 steps, each rank's loss and gradients and (after each optimizer step)
+    parameters against the single-process GPT on the whole batch."""
+    from labkit import pp
+    from labkit.check import tolerance
+    from labkit.models import GPT, GPTConfig
+    task_id = SCHEDULES[kind]
+    p, rank = dist.get_world_size(), dist.get_rank()
+    rng = random.Random(seed)
+    for draw in range(draws):
+        v = rng.randint(1, 3) if kind == "interleaved" else 1
+        m = p * rng.randint(1, 3) if kind == "interleaved" else rng.randint(1, 2 * p + 2)
+        heads = rng.randint(1, 2)
+        cfg = GPTConfig(vocab_size=rng.randint(2, 12), block_size=8, n_layer=p * v + rng.randint(0, 2), n_head=heads,
+                        n_embd=heads * rng.choice([4, 6, 8]), bias=rng.random() < 0.5, tie_weights=rng.random() < 0.5)
+        # float32 with SGD only: AdamW's m / sqrt(v) turns float32 rounding of near-zero gradients
+        # (the key bias's is 0 in exact arithmetic) into steps of the size of lr
+        dtype, opt_kind = rng.choice([torch.float64, torch.float32]), rng.choice(["adamw", "sgd"])
+        opt_kind = "sgd" if dtype == torch.float32 else opt_kind
+        rows, length = m + rng.randint(0, m + 1), rng.randint(1, 8)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        what = f"{task_id}: drawn pipeline {draw} of seed {seed}: p={p}, m={m}, v={v}, {rows} sequences of " \
+               f"{length}, {cfg}, {dtype}, {opt_kind}, rank {rank}"
+        rtol, atol = tolerance(dtype)
+        tol = dict(rtol=10 * rtol, atol=10 * atol) if dtype == torch.float32 else dict(rtol=rtol, atol=atol)
+        model, reference = GPT(cfg).to(dtype), GPT(cfg).to(dtype)
+        stages = pp.split_gpt(model, p * v)
+        mine = {s: stages[s] for s in range(p * v) if pp.rank_of_stage(s, p) == rank}
+        runner = pp.PipelineRunner(mine, p * v, deferred_weights=kind == "zero_bubble")
+        actions = schedule_of(kind, p, m, v)[rank]
+        names = {id(q): n for n, q in model.named_parameters()}
+        ours = [q for stage in mine.values() for q in dict.fromkeys(stage.parameters())]
+        reference_params = dict(reference.named_parameters())
+        opt, opt_ref = drawn_optimizer(ours, opt_kind), drawn_optimizer(list(reference.parameters()), opt_kind)
+        for step in range(3):
+            x, y = (torch.randint(0, cfg.vocab_size, (rows, length), generator=gen) for _ in range(2))
+            loss, _ = runner.step(actions, x, y, m, pp.gpt_loss)
+            expected = reference(x, y)[1]
+            expected.backward()
+            if loss is not None:
+                assert_close(loss, expected.detach(), f"{what}, step {step}: loss (micro-batches weighted by size)", **tol)
+            for q in ours:
+                assert q.grad is not None, f"{what}, step {step}: {names[id(q)]} got no gradient"
+                assert_close(q.grad, reference_params[names[id(q)]].grad,
+                             f"{what}, step {step}: gradient of {names[id(q)]}", **tol)
+            for o in (opt, opt_ref):
+                o.step()
+                o.zero_grad()
+            for q in ours:
+                assert_close(q.detach(), reference_params[names[id(q)]].detach(),
+                             f"{what}: {names[id(q)]} after step {step}", **tol)
+
+
+def run_schedule_on_rank(kind: str, ms: list[int], v: int, memory_m: int | None, seed: int = 0, draws: int = 0):
     torch.set_num_threads(1)
+    drawn_pipeline(kind, seed, draws)
     for m in ms:
         _, traces = train_pipeline(kind, m, v, tie=True, check_against_reference=True)
         check_order_and_flight(kind, m, v, traces)
@@ -502,7 +580,7 @@ def test_split_gpt_composes_back_to_the_model():
         split_gpt(GPT(config(2, 1)), 3)
 
 
-def p2p_on_rank(subgroups=None):
+def p2p_on_rank(subgroups=None, seed: int = 0):
     """Stages on the whole world, or on each of ``subgroups`` (pipeline axes of a mesh),
     pass activations forward and gradients back, then run a GPipe step through the runner."""
     torch.set_num_threads(1)
@@ -514,18 +592,21 @@ def p2p_on_rank(subgroups=None):
         if members and dist.get_rank() not in members:
             continue
         exchange_on_rank(members, group)
+        # a second exchange in the same process: another shape and dtype (nothing kept from the first)
+        rng = random.Random(seed)
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 4)))
+        exchange_on_rank(members, group, shape, rng.choice([torch.float64, torch.bfloat16, torch.int64]))
         runner_step_on_rank(members, group)
 
 
-def exchange_on_rank(members, group) -> None:
+def exchange_on_rank(members, group, shape=(2, 3), dtype=torch.float32) -> None:
     """Each stage sends micro-batches 2, 0, 1 forward and 1, 2, 0 back (out of order: the
     tags keep them apart), computes while its sends are in flight, then waits for them. The
     messages posted must be exactly these, to and from global ranks, as they are posted."""
     from labkit import pp
     ranks = members or list(range(dist.get_world_size()))
     p, r = dist.get_world_size(group), dist.get_rank(group)
-    shape, dtype = (2, 3), torch.float32
-    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     where = f"pp.p2p: {p} stages on " + (f"sub-group {members}" if members else "the whole world")
     what = f"{where}, stage {r} (global rank {ranks[r]})"
 
@@ -551,23 +632,25 @@ def exchange_on_rank(members, group) -> None:
     with StageTracer(where, plan, async_sends=True) as tracer:
         if r < p - 1:
             for i in (2, 0, 1):
-                kept.append(torch.full(shape, 10.0 * r + i))
+                kept.append(torch.full(shape, 10.0 * r + i, dtype=dtype))
                 works.append(sent(pp.send_forward(kept[-1], i, r, p, group), "send_forward"))
         if r > 0:
             for i in (0, 1, 2):
                 got = pp.recv_forward(shape, dtype, i, r, p, group)
                 tracer.assert_received()
-                assert torch.equal(got, torch.full(shape, 10.0 * (r - 1) + i)), \
-                    f"{what}: received {got[0, 0].item()} for micro-batch {i} from the previous stage"
+                assert torch.equal(got, torch.full(shape, 10.0 * (r - 1) + i, dtype=dtype)), \
+                    f"{what}: received {got.flatten()[0].item()} ({got.dtype} {tuple(got.shape)}) for micro-batch {i} " \
+                    f"from the previous stage; sent {dtype} {shape}"
             for i in (1, 2, 0):
-                kept.append(torch.full(shape, -10.0 * r - i))
+                kept.append(torch.full(shape, -10.0 * r - i, dtype=dtype))
                 works.append(sent(pp.send_backward(kept[-1], i, r, p, group), "send_backward"))
         if r < p - 1:
             for i in (0, 1, 2):
                 got = pp.recv_backward(shape, dtype, i, r, p, group)
                 tracer.assert_received()
-                assert torch.equal(got, torch.full(shape, -10.0 * (r + 1) - i)), \
-                    f"{what}: received gradient {got[0, 0].item()} for micro-batch {i} from the next stage"
+                assert torch.equal(got, torch.full(shape, -10.0 * (r + 1) - i, dtype=dtype)), \
+                    f"{what}: received gradient {got.flatten()[0].item()} ({got.dtype} {tuple(got.shape)}) for " \
+                    f"micro-batch {i} from the next stage; sent {dtype} {shape}"
         work_meanwhile = torch.ones(8, 8) @ torch.ones(8, 8)  # the stage computes while its sends travel
         for work in works:
             work.wait()
@@ -613,14 +696,14 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
 @task("pp.p2p", points=3)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_activations_and_gradients_reach_their_stage(world_size):
-    run_graded("pp.p2p", p2p_on_rank, world_size)
+    run_graded("pp.p2p", p2p_on_rank, world_size, None, draw_seed())
 
 
 @task("pp.p2p", points=1)
 def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
     # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3;
     # then the strided axis of a 2x2 grid: 2 stages on 0, 2, then on 1, 3
-    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS)
+    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS, draw_seed())
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -636,28 +719,28 @@ def cases(kind: str, p: int) -> list[int]:
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_gpipe_trains_like_one_process(world_size):
     run_graded("pp.gpipe", run_schedule_on_rank, world_size, "gpipe", cases("gpipe", world_size), 1,
-               world_size + 2)
+               world_size + 2, draw_seed(), DRAWS)
 
 
 @task("pp.1f1b", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_1f1b_trains_like_one_process(world_size):
     run_graded("pp.1f1b", run_schedule_on_rank, world_size, "1f1b", cases("1f1b", world_size), 1,
-               2 * world_size + 1)
+               2 * world_size + 1, draw_seed(), DRAWS)
 
 
 @task("pp.interleaved", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_interleaved_trains_like_one_process(world_size):
     run_graded("pp.interleaved", run_schedule_on_rank, world_size, "interleaved",
-               cases("interleaved", world_size), 2, None)
+               cases("interleaved", world_size), 2, None, draw_seed(), DRAWS)
 
 
 @task("pp.zero_bubble", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_zero_bubble_trains_like_one_process(world_size):
     run_graded("pp.zero_bubble", run_schedule_on_rank, world_size, "zero_bubble",
-               cases("zero_bubble", world_size), 1, None)
+               cases("zero_bubble", world_size), 1, None, draw_seed(), DRAWS)
 
 
 def table_and_bad_arguments(kind: str) -> None:
@@ -693,6 +776,21 @@ def table_and_bad_arguments(kind: str) -> None:
             assert abs(clock.bubble() - bubble) < 1e-9, \
                 (f"{task_id}: {shape}: the bubble on the clock is {clock.bubble():.4f}; the chapter's "
                  f"(p - 1) / (v m + p - 1) is {bubble:.4f}")
+    rng = random.Random(draw_seed())  # shapes drawn beyond the list: p up to 8, m up to 24, v up to 4
+    for _ in range(40 * DRAWS):
+        p, v = rng.randint(1, 8), rng.randint(1, 4) if kind == "interleaved" else 1
+        m = rng.randint(1, 24)
+        shape = f"drawn p={p}, m={m}" + (f", v={v}" if kind == "interleaved" else "")
+        if kind == "interleaved" and m % p:
+            with pytest.raises(ValueError, match="multiple"):
+                schedule_of(kind, p, m, v)
+            continue
+        table = schedule_of(kind, p, m, v)
+        got = [[repr(a) for a in actions] for actions in table]
+        want = [expected_order(kind, p, m, r, v) for r in range(p)]
+        assert got == want, f"{task_id}: {shape}: your table {got}; expected {want}"
+        assert pp.simulate(table).peak_in_flight == micro_batch_counts(kind, p, m, v), \
+            f"{task_id}: {shape}: micro-batches in flight on the clock"
     bad = [(lambda: schedule_of(kind, 2, 0, 2), "micro-batch"), (lambda: schedule_of(kind, 0, 4, 2), "rank")]
     if kind == "interleaved":
         bad += [(lambda: pp.interleaved_1f1b(3, 4, 2), "multiple"), (lambda: pp.interleaved_1f1b(2, 4, 0), "num_chunks")]

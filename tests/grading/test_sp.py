@@ -38,6 +38,8 @@ Memory: what ring attention keeps for backward per rank is 1/N of the unsharded 
 """
 
 import math
+import os
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -56,6 +58,43 @@ B, HEADS, D = 2, 12, 4          # heads divide by 1..4 (Ulysses)
 ROWS = 6                        # rows per rank: T = 6 N, and 2N chunks of 3 for zig-zag
 # Partitions of the world the technique also runs on, after the world (see the docstring).
 PARTITIONS = {4: [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], 3: [[[0, 2], [1]]]}
+LONG = os.environ.get("LABKIT_LONG") == "1"
+DRAWS = 16 if LONG else 2  # drawn configurations per launch (drawn_ring, drawn_ulysses, ...)
+
+
+def draw_seed() -> int:
+    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    return seed
+
+
+def drawn_tolerance(dtype) -> dict:
+    """labkit.check's bounds; x10 for float32 (softmax over blocks merged in another order)."""
+    from labkit.check import tolerance
+    rtol, atol = tolerance(dtype)
+    return dict(rtol=10 * rtol, atol=10 * atol) if dtype == torch.float32 else dict(rtol=rtol, atol=atol)
+
+
+def drawn_attention(rng, n: int, heads_multiple: int, zigzag: bool):
+    """q, k, v [B, heads, T, d] (float64 or float32), a random upstream gradient, the causal flag;
+    T = rows per rank x N (even rows for zig-zag), heads a multiple of ``heads_multiple``."""
+    B_, heads, d = rng.randint(1, 2), heads_multiple * rng.randint(1, 2), rng.randint(1, 5)
+    rows = 2 * rng.randint(1, 3) if zigzag else rng.randint(1, 5)
+    dtype, causal = rng.choice([torch.float64, torch.float32]), rng.random() < 0.5
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    q, k, v, up = (torch.randn(B_, heads, rows * n, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(4))
+    return q, k, v, up, causal, f"B={B_}, heads={heads}, T={rows * n}, d={d}, {dtype}, causal={causal}"
+
+
+def drawn_grads(fn, inputs, up):
+    """fn(*inputs) and the inputs' gradients for the incoming gradient ``up``, in one process."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(up)
+    return out.detach(), [t.grad for t in leaves]
+
+
 # The computation of attention itself (a timeline's "compute" steps that overlap counts).
 ATTENTION_OPS = frozenset({"mm", "bmm", "baddbmm", "addmm", "matmul"} | {op for op in COMPUTE_OPS if "attention" in op})
 
@@ -268,15 +307,62 @@ def test_blockwise_attention_equals_softmax_attention():
                  "sp.online_softmax: merged log-sum-exp")
     assert torch.isinf(b[1][..., :6]).all() and not b[0][..., :6, :].abs().sum(), \
         "sp.online_softmax: a query that sees none of a block must get lse = -inf and output 0"
+    rng = random.Random(draw_seed())
+    for draw in range(20 * DRAWS):  # drawn: 2-5-D tensors, Tq != Tk without a mask, any block size, float32
+        lead = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 3)))
+        causal, tk, d = rng.random() < 0.5, rng.randint(1, 9), rng.randint(1, 4)
+        tq = tk if causal else rng.randint(1, 9)
+        dtype, block_size = rng.choice([torch.float64, torch.float32]), rng.randint(1, tk)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        q, up = (torch.randn(*lead, tq, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+        k, v = (torch.randn(*lead, tk, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+        what = f"sp.online_softmax: drawn {draw}: q {tuple(q.shape)}, k {tuple(k.shape)}, {dtype}, causal={causal}, " \
+               f"block_size={block_size}"
+        sdpa = lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal)  # noqa: E731
+        ours = lambda a, b, c: blockwise_attention(a, b, c, block_size, causal)  # noqa: E731
+        (out, grads), (expected, expected_grads) = drawn_grads(ours, (q, k, v), up), drawn_grads(sdpa, (q, k, v), up)
+        assert_close(out, expected, f"{what}: output", **drawn_tolerance(dtype))
+        for name, got, want in zip("qkv", grads, expected_grads):
+            assert_close(got, want, f"{what}: d{name} (a random incoming gradient)", **drawn_tolerance(dtype))
 
 
 # ----------------------------------------------------------------------------- ring attention
 
 
-def ring_on_rank(causal: bool, zigzag: bool, subgroups: bool = False):
+def ring_on_rank(causal: bool, zigzag: bool, subgroups: bool = False, seed: int = 0, draws: int = 0):
     torch.set_num_threads(1)
-    for group, members in groups_to_check(subgroups):
+    groups = list(groups_to_check(subgroups))
+    for group, members in groups:
         ring_check(causal, zigzag, group, members)
+    drawn_ring(seed, draws, groups)
+
+
+def drawn_ring(seed: int, draws: int, groups) -> None:
+    """Ring attention on drawn shapes, dtypes, causal or not, contiguous or zig-zag rows, over a
+    drawn group; a random incoming gradient; the positions (integers) get no gradient; the
+    caller's q, k, v and incoming gradient come back unchanged."""
+    from labkit.sp import ring_attention
+    rng = random.Random(seed)
+    for draw in range(draws):
+        group, members = groups[rng.randrange(len(groups))]
+        n, me = len(members), members.index(dist.get_rank())
+        zigzag = rng.random() < 0.5
+        q, k, v, up, causal, shape = drawn_attention(rng, n, 1, zigzag)
+        T = q.shape[2]
+        rows = torch.tensor(zigzag_rows(T, me, n) if zigzag else list(range(me * T // n, (me + 1) * T // n)))
+        out, grads = drawn_grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), (q, k, v), up)
+        at = f"sp.ring_attention: drawn configuration {draw} of seed {seed}, {where(members)}, {shape}, " \
+             f"{'zig-zag' if zigzag else 'contiguous'} rows"
+        mine = [t.index_select(2, rows).requires_grad_() for t in (q, k, v)]
+        before = [t.detach().clone() for t in mine]
+        y = ring_attention(*mine, rows, causal, group)
+        assert_close(y, out.index_select(2, rows), f"{at}: output", **drawn_tolerance(q.dtype))
+        incoming = up.index_select(2, rows)
+        y.backward(incoming)
+        assert torch.equal(incoming, up.index_select(2, rows)), f"{at}: backward changed the incoming gradient"
+        for name, t, snapshot, full in zip("qkv", mine, before, grads):
+            assert torch.equal(t.detach(), snapshot), f"{at}: ring attention changed its input {name}"
+            assert_close(t.grad, full.index_select(2, rows), f"{at}: d{name}", **drawn_tolerance(q.dtype))
 
 
 def ring_check(causal, zigzag, group, members):
@@ -330,7 +416,7 @@ def ring_check(causal, zigzag, group, members):
 def test_ring_attention(world_size):
     for causal in (False, True):
         run_graded("sp.ring_attention", ring_on_rank, world_size, causal, False)
-    run_graded("sp.ring_attention", ring_on_rank, world_size, True, True, True)
+    run_graded("sp.ring_attention", ring_on_rank, world_size, True, True, True, draw_seed(), DRAWS)
 
 
 def ring_memory_on_rank(total_rows: int):
@@ -385,10 +471,52 @@ def test_zigzag_split_and_its_inverse_balance_causal_work():
 # ----------------------------------------------------------------------------- Ulysses
 
 
-def ulysses_on_rank(causal: bool, subgroups: bool = False):
+def ulysses_on_rank(causal: bool, subgroups: bool = False, seed: int = 0, draws: int = 0):
     torch.set_num_threads(1)
-    for group, members in groups_to_check(subgroups):
+    groups = list(groups_to_check(subgroups))
+    for group, members in groups:
         ulysses_check(causal, group, members)
+    drawn_ulysses(seed, draws, groups)
+
+
+def drawn_ulysses(seed: int, draws: int, groups) -> None:
+    """all_to_all with drawn dims (any scatter and gather dim of a 2-4-D tensor, the same dim
+    too) against the rank-order exchange, with a random incoming gradient; then Ulysses on drawn
+    shapes (heads a multiple of N), dtypes, causal or not."""
+    from labkit.sp import all_to_all, ulysses_attention
+    rng = random.Random(seed)
+    for draw in range(draws):
+        group, members = groups[rng.randrange(len(groups))]
+        n, me = len(members), members.index(dist.get_rank())
+        dims = rng.randint(2, 4)
+        scatter_dim, gather_dim = rng.randrange(dims), rng.randrange(dims)
+        shape = [rng.randint(1, 3) for _ in range(dims)]
+        shape[scatter_dim] *= n
+        dtype = rng.choice([torch.float64, torch.float32])
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        inputs = [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
+        at = f"sp.ulysses: drawn configuration {draw} of seed {seed}, {where(members)}: all_to_all of a {dtype} " \
+             f"{tuple(shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}"
+        # rank me receives piece me of every rank's input, in rank order, along gather_dim
+        expected = torch.cat([x.chunk(n, scatter_dim)[me] for x in inputs], gather_dim)
+        x = inputs[me].clone().requires_grad_()
+        y = all_to_all(x, scatter_dim, gather_dim, group)
+        assert_close(y, expected, f"{at}: output")
+        ups = [torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
+        y.backward(ups[me].clone())
+        # the gradient of my piece j (sent to rank j) is rank j's incoming gradient at my slot
+        grad = torch.cat([u.chunk(n, gather_dim)[me] for u in ups], scatter_dim)
+        assert_close(x.grad, grad, f"{at}: gradient (the reverse exchange of a random incoming gradient)")
+        q, k, v, up, causal, shape = drawn_attention(rng, n, n, False)
+        rows = slice(me * q.shape[2] // n, (me + 1) * q.shape[2] // n)
+        out, grads = drawn_grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), (q, k, v), up)
+        at = f"sp.ulysses: drawn configuration {draw} of seed {seed}, {where(members)}, {shape}"
+        mine = [t[:, :, rows].clone().requires_grad_() for t in (q, k, v)]
+        y = ulysses_attention(*mine, causal, group)
+        assert_close(y, out[:, :, rows], f"{at}: output", **drawn_tolerance(q.dtype))
+        y.backward(up[:, :, rows].clone())
+        for name, t, full in zip("qkv", mine, grads):
+            assert_close(t.grad, full[:, :, rows], f"{at}: d{name}", **drawn_tolerance(q.dtype))
 
 
 def ulysses_check(causal, group, members):
@@ -419,4 +547,4 @@ def ulysses_check(causal, group, members):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ulysses_attention(world_size):
     run_graded("sp.ulysses", ulysses_on_rank, world_size, False)
-    run_graded("sp.ulysses", ulysses_on_rank, world_size, True, True)
+    run_graded("sp.ulysses", ulysses_on_rank, world_size, True, True, draw_seed(), DRAWS)

@@ -28,6 +28,8 @@ per split tensor, nothing for the replicated ones. The GPT's shape divides by 3 
 """
 
 import math
+import os
+import random
 
 import pytest
 import torch
@@ -42,7 +44,16 @@ from labkit.course.grading import run_graded, task
 WORLD_SIZES = [1, 2, 3, 4]
 B, T = 3, 8
 STEPS = 5
-DTYPE = torch.float64  # every tensor of these tests
+DTYPE = torch.float64  # every tensor of these tests but the drawn configurations'
+LONG = os.environ.get("LABKIT_LONG") == "1"
+DRAWS = 24 if LONG else 4  # each run sees every dtype, input rank and option (they cycle, from a drawn start)  # drawn configurations per launch (see "drawn configurations" below)
+
+
+def draw_seed() -> int:
+    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
+    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    return seed
 
 
 def config(**changes):
@@ -117,13 +128,274 @@ def signature(task_id, tracer, expected, what):
                f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}")
 
 
+# ----------------------------------------------------------------------------- drawn configurations
+# Each task's launch also runs ``draws`` configurations drawn from a seed (the same on every rank):
+# shapes with 0-3 leading dims and widths that are multiples of N only where the layer splits them,
+# float64/float32 (and for f/g bf16/fp16 too), bias on or off, the layer's option, the group (the
+# world or a subgroup), a random incoming gradient times a random scale; the caller's incoming
+# gradients must come back unchanged.
+
+
+def drawn_tolerance(dtype) -> dict:
+    """labkit.check's bounds; x10 for float32: the drawn sums run over up to 36 terms in another order."""
+    from labkit.check import tolerance
+    rtol, atol = tolerance(dtype)
+    return dict(rtol=10 * rtol, atol=10 * atol) if dtype == torch.float32 else dict(rtol=rtol, atol=atol)
+
+
+def drawn(shape, dtype, gen, scale=1.0):
+    """Random values; in bf16/fp16 small integers (their sums are exact in any order)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.randint(-8, 9, shape, generator=gen).to(dtype)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+
+def drawn_check(task_id, what, actual, expected, dtype=None):
+    from labkit.check import assert_close
+    assert_close(actual, expected, f"{task_id}: rank {dist.get_rank()} of {dist.get_world_size()}: {what}",
+                 **drawn_tolerance(dtype or expected.dtype))
+
+
+def unchanged(task_id, what, tensor, snapshot):
+    assert torch.equal(tensor, snapshot), (
+        f"{task_id}: rank {dist.get_rank()}: {what} was changed by the call (an incoming gradient or an "
+        "input belongs to the caller: compute into a new tensor)")
+
+
+def seeded_copy(module, gen):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1]))
+    return module
+
+
+def drawn_f_g(seed: int, draws: int, groups) -> None:
+    from labkit.tp import copy_to_parallel, reduce_from_parallel
+    rng = random.Random(seed)
+    start = rng.randrange(4)
+    for draw in range(draws):
+        group = groups[rng.randrange(len(groups))]
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 4)))
+        dtype = [torch.float64, torch.float32, torch.bfloat16, torch.float16][(draw + start) % 4]
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        ups = [drawn(shape, dtype, gen) for _ in range(group.n)]
+        parts = [drawn(shape, dtype, gen) for _ in range(group.n)]
+        x, up_g = drawn(shape, dtype, gen).requires_grad_(), drawn(shape, dtype, gen)
+        what = f"drawn configuration {draw} of seed {seed}: shape {shape}, {dtype}{group}"
+        total = lambda ts: sum(t.double() for t in ts).to(dtype)  # noqa: E731
+        up = ups[group.rank].clone()
+        y = copy_to_parallel(x, group.handle)
+        drawn_check("tp.f_g", f"{what}: f forward", y, x.detach())
+        y.backward(up)
+        unchanged("tp.f_g", f"{what}: the gradient passed to f's backward", up, ups[group.rank])
+        drawn_check("tp.f_g", f"{what}: f backward (the group's incoming gradients summed)", x.grad, total(ups))
+        mine = parts[group.rank].clone().requires_grad_()
+        z = reduce_from_parallel(mine, group.handle)
+        unchanged("tp.f_g", f"{what}: g's input", mine.detach(), parts[group.rank])
+        drawn_check("tp.f_g", f"{what}: g forward (the group's partial results summed)", z, total(parts))
+        up = up_g.clone()
+        z.backward(up)
+        unchanged("tp.f_g", f"{what}: the gradient passed to g's backward", up, up_g)
+        drawn_check("tp.f_g", f"{what}: g backward (the identity)", mine.grad, up_g)
+
+
+def drawn_linear(kind: str, seed: int, draws: int, groups) -> None:
+    """ColumnParallelLinear (kind "column") or RowParallelLinear ("row") on drawn configurations."""
+    from labkit.tp import ColumnParallelLinear, RowParallelLinear
+    task_id = f"tp.{kind}"
+    rng = random.Random(seed)
+    start = rng.randrange(4)
+    for draw in range(draws):
+        group = groups[rng.randrange(len(groups))]
+        n, rank = group.n, group.rank
+        dtype = [torch.float64, torch.float32][(draw + start) % 2]
+        lead = tuple(rng.randint(1, 3) for _ in range((draw + start) % 4))  # none: a 1-D input
+        fin, fout = (rng.randint(1, 9), n * rng.randint(1, 4)) if kind == "column" else (n * rng.randint(1, 4), rng.randint(1, 9))
+        bias, option, scale = (draw + start) // 2 % 2 == 0, rng.random() < 0.5, rng.choice([0.5, 4.0])
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        with torch.random.fork_rng(devices=[]):
+            full = seeded_copy(nn.Linear(fin, fout, bias=bias), gen).to(dtype)
+        x_ref = drawn(lead + (fin,), dtype, gen).requires_grad_()
+        grad_y = drawn(lead + (fout,), dtype, gen)
+        y_ref = full(x_ref)
+        y_ref.backward(grad_y * scale)
+        name = "gather_output" if kind == "column" else "input_is_parallel"
+        what = f"drawn configuration {draw} of seed {seed}: {fin} -> {fout}, input {lead + (fin,)}, {dtype}, " \
+               f"bias={bias}, {name}={option}, loss x {scale}{group}"
+        if kind == "column":
+            layer = ColumnParallelLinear.from_linear(full, group.handle, gather_output=option)
+            x = x_ref.detach().clone().requires_grad_()
+            local_y = y_ref if option else y_ref.chunk(n, -1)[rank]
+            incoming = grad_y if option else grad_y.chunk(n, -1)[rank]
+        else:
+            layer = RowParallelLinear.from_linear(full, group.handle, input_is_parallel=option)
+            x = (x_ref.detach().chunk(n, -1)[rank] if option else x_ref.detach()).clone().requires_grad_()
+            local_y, incoming = y_ref, grad_y
+        snapshot = x.detach().clone()
+        y = layer(x)
+        unchanged(task_id, f"{what}: the input", x.detach(), snapshot)
+        drawn_check(task_id, f"{what}: output", y, local_y.detach())
+        up = (incoming * scale).clone()
+        y.backward(up)
+        unchanged(task_id, f"{what}: the incoming gradient", up, incoming * scale)
+        x_grad = x_ref.grad.chunk(n, -1)[rank] if kind == "row" and option else x_ref.grad
+        drawn_check(task_id, f"{what}: input gradient", x.grad, x_grad)
+        dim = 0 if kind == "column" else 1
+        drawn_check(task_id, f"{what}: weight gradient, gathered", gathered(layer.weight.grad, dim, group=group),
+                    full.weight.grad)
+        if bias:
+            got = gathered(layer.bias.grad, 0, group=group) if kind == "column" else layer.bias.grad
+            drawn_check(task_id, f"{what}: bias gradient", got, full.bias.grad)
+        else:
+            assert layer.bias is None, f"{task_id}: {what}: a layer without bias has a bias"
+
+
+def drawn_block(kind: str, seed: int, draws: int, groups) -> None:
+    """ParallelMLP / ParallelSelfAttention of drawn GPT shapes (heads a multiple of N, any head
+    size, bias on or off, any B and T), float64/float32, random incoming gradients."""
+    from labkit.models import GPT
+    from labkit.tp import ParallelMLP, ParallelSelfAttention
+    task_id = f"tp.{kind}"
+    rng = random.Random(seed)
+    for draw in range(draws):
+        group = groups[rng.randrange(len(groups))]
+        n = group.n
+        heads, head_dim = n * rng.randint(1, 2), rng.randint(1, 3)
+        cfg = config(n_head=heads, n_embd=heads * head_dim, bias=rng.random() < 0.5, block_size=8)
+        dtype = rng.choice([torch.float64, torch.float32])
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        block = seeded_copy(GPT(cfg).blocks[0], gen).to(dtype)
+        ref = block.mlp if kind == "mlp" else block.attn
+        shape = (rng.randint(1, 3), rng.randint(1, 6), cfg.n_embd)
+        x_ref, grad_y = drawn(shape, dtype, gen).requires_grad_(), drawn(shape, dtype, gen, scale=3.0)
+        ref(x_ref).backward(grad_y)
+        part = ParallelMLP(ref, group.handle) if kind == "mlp" else ParallelSelfAttention(ref, group.handle)
+        x = x_ref.detach().clone().requires_grad_()
+        what = f"drawn configuration {draw} of seed {seed}: {cfg.n_head} heads of {head_dim}, bias={cfg.bias}, " \
+               f"input {shape}, {dtype}{group}"
+        y = part(x)
+        drawn_check(task_id, f"{what}: output", y, ref(x_ref.detach()).detach())
+        up = grad_y.clone()
+        y.backward(up)
+        unchanged(task_id, f"{what}: the incoming gradient", up, grad_y)
+        drawn_check(task_id, f"{what}: input gradient", x.grad, x_ref.grad)
+        for name in ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj"):
+            mine, theirs = getattr(part, name), getattr(ref, name)
+            dim, parts = (1, 1) if name == "c_proj" else (0, 3 if name == "c_attn" else 1)
+            drawn_check(task_id, f"{what}: {name}.weight gradient, gathered",
+                        gathered(mine.weight.grad, dim, parts, group), theirs.weight.grad)
+            if cfg.bias:
+                bias = mine.bias.grad if name == "c_proj" else gathered(mine.bias.grad, 0, parts, group)
+                drawn_check(task_id, f"{what}: {name}.bias gradient", bias, theirs.bias.grad)
+
+
+def drawn_vocab(seed: int, draws: int, groups) -> None:
+    """The vocabulary-parallel embedding on ids of any shape, and the per-token loss
+    (VocabParallelCrossEntropy.apply) with a random incoming gradient per token."""
+    from labkit.tp import VocabParallelCrossEntropy, VocabParallelEmbedding
+    rng = random.Random(seed)
+    start = rng.randrange(6)
+    for draw in range(draws):
+        group = groups[rng.randrange(len(groups))]
+        n, rank = group.n, group.rank
+        V, dim = n * rng.randint(1, 6), rng.randint(1, 5)
+        dtype = [torch.float64, torch.float32][(draw + start) % 2]
+        lead = tuple(rng.randint(1, 4) for _ in range(1 + (draw + start) % 3))
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        what = f"drawn configuration {draw} of seed {seed}: V={V}, ids {lead}, {dtype}{group}"
+        with torch.random.fork_rng(devices=[]):
+            table = seeded_copy(nn.Embedding(V, dim), gen).to(dtype)
+        ids = torch.randint(0, V, lead, generator=gen)
+        grad_rows = drawn(lead + (dim,), dtype, gen)
+        table(ids).backward(grad_rows)
+        emb = VocabParallelEmbedding.from_embedding(table, group.handle)
+        ids_before = ids.clone()
+        rows = emb(ids)
+        unchanged("tp.vocab", f"{what}: the token ids", ids, ids_before)
+        drawn_check("tp.vocab", f"{what}: embedding lookup", rows, table(ids).detach())
+        rows.backward(grad_rows)
+        drawn_check("tp.vocab", f"{what}: embedding weight gradient, gathered",
+                    gathered(emb.weight.grad, 0, group=group), table.weight.grad)
+        logits_ref = (drawn(lead + (V,), dtype, gen, scale=3.0) + rng.choice([0.0, 500.0])).requires_grad_()
+        targets = torch.randint(0, V, lead, generator=gen)
+        grad_loss = drawn(lead, dtype, gen)  # one incoming gradient per token: a weighted loss
+        expected = F.cross_entropy(logits_ref.reshape(-1, V), targets.reshape(-1), reduction="none").view(lead)
+        expected.backward(grad_loss)
+        local = logits_ref.detach().chunk(n, -1)[rank].clone().requires_grad_()
+        loss = VocabParallelCrossEntropy.apply(local, targets, group.handle)
+        drawn_check("tp.vocab", f"{what}: per-token loss", loss, expected.detach())
+        up = grad_loss.clone()
+        loss.backward(up)
+        unchanged("tp.vocab", f"{what}: the incoming gradient of the per-token loss", up, grad_loss)
+        drawn_check("tp.vocab", f"{what}: gradient of this rank's logits, per-token incoming gradient",
+                    local.grad, logits_ref.grad.chunk(n, -1)[rank])
+
+
+def drawn_optimizer(model, kind: str):
+    """Two param groups: matrices (lr, weight decay), biases/LayerNorms/1-D (another lr, no decay)."""
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() <= 1]
+    if kind == "adamw":  # eps 1e-6: the key bias's true gradient is 0 (softmax ignores a shift), and
+        # AdamW with eps 1e-8 turns its rounding noise (1e-17) into steps of +-lr
+        return torch.optim.AdamW([dict(params=matrices, lr=1e-2, weight_decay=0.1),
+                                  dict(params=vectors, lr=3e-2, weight_decay=0.0)], eps=1e-6)
+    return torch.optim.SGD([dict(params=matrices, lr=0.05, momentum=0.9, weight_decay=1e-2),
+                            dict(params=vectors, lr=0.2, momentum=0.5, weight_decay=0.0)], lr=0.1)
+
+
+def drawn_gpt(seed: int, draws: int, groups) -> None:
+    """tensor_parallel on drawn GPTs (layers, heads, head size, vocabulary, bias, tied or not),
+    3 steps on batches of drawn B and T <= block_size, a stateful optimizer with two param groups,
+    the loss scaled plus a random incoming gradient on this rank's logits; the loss and
+    full_state_dict (weights, and gradients at step 0) against the single-process GPT."""
+    from labkit.models import GPT
+    from labkit.tp import full_state_dict, tensor_parallel
+    rng = random.Random(seed)
+    for draw in range(draws):
+        group = groups[rng.randrange(len(groups))]
+        n, rank = group.n, group.rank
+        heads = n * rng.randint(1, 2)
+        cfg = config(n_layer=rng.randint(1, 2), n_head=heads, n_embd=heads * rng.randint(1, 3),
+                     vocab_size=n * rng.randint(2, 5), block_size=rng.randint(2, 6), bias=rng.random() < 0.5,
+                     tie_weights=rng.random() < 0.5)
+        kind, scale = rng.choice(["adamw", "sgd"]), rng.choice([0.5, 3.0])
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        ref = GPT(cfg).double()
+        model = tensor_parallel(GPT(cfg).double(), group.handle)
+        opts = drawn_optimizer(ref, kind), drawn_optimizer(model, kind)
+        what = f"drawn configuration {draw} of seed {seed}: {cfg}, {kind}, loss x {scale}{group}"
+        for step in range(3):
+            shape = (rng.randint(1, 3), rng.randint(1, cfg.block_size))
+            x, y = (torch.randint(0, cfg.vocab_size, shape, generator=gen) for _ in range(2))
+            grad_logits = drawn(shape + (cfg.vocab_size,), torch.float64, gen)
+            logits_ref, loss_ref = ref(x, y)
+            (loss_ref * scale + (logits_ref * grad_logits).sum()).backward()
+            logits, loss = model(x, y)
+            drawn_check("tp.model", f"{what}, step {step}: loss", loss.detach(), loss_ref.detach())
+            drawn_check("tp.model", f"{what}, step {step}: this rank's logits", logits.detach(),
+                        logits_ref.detach().chunk(n, -1)[rank])
+            (loss * scale + (logits * grad_logits.chunk(n, -1)[rank]).sum()).backward()
+            if step == 0:
+                grads = full_state_dict(model, group.handle, grads=True)
+                for name, p in ref.named_parameters():
+                    drawn_check("tp.model", f"{what}, step 0: gradient of {name}, gathered", grads[name], p.grad)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            state = full_state_dict(model, group.handle)
+            for name, value in ref.state_dict().items():
+                drawn_check("tp.model", f"{what}: {name} after step {step}", state[name], value)
+
+
 # ----------------------------------------------------------------------------- f and g
 
 
-def f_g_on_rank():
+def f_g_on_rank(seed: int, draws: int):
     setup()
-    for group in tp_groups():
+    groups = tp_groups()
+    for group in groups:
         f_g_over(group)
+    drawn_f_g(seed, draws, groups)
 
 
 def f_g_over(group: Group):
@@ -156,15 +428,17 @@ def f_g_over(group: Group):
 @task("tp.f_g", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_f_and_g(world_size):
-    run_graded("tp.f_g", f_g_on_rank, world_size)
+    run_graded("tp.f_g", f_g_on_rank, world_size, draw_seed(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- linear layers
 
 
-def column_on_rank():
+def column_on_rank(seed: int, draws: int):
     from labkit.tp import ColumnParallelLinear
     setup()
+    groups = tp_groups()
+    drawn_linear("column", seed, draws, groups)
     full = nn.Linear(12, 24).double()
     with torch.no_grad():
         full.weight.copy_(seeded(24, 12, seed=2))
@@ -173,7 +447,7 @@ def column_on_rank():
     weights = seeded(B, T, 24, seed=5)  # loss = sum(y * weights): every output counts
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for group in tp_groups():
+    for group in groups:
         n, rank = group.n, group.rank
         for gather_output in (False, True):
             layer = ColumnParallelLinear.from_linear(full, group.handle, gather_output=gather_output)
@@ -203,9 +477,11 @@ def column_on_rank():
                   full.bias.grad)
 
 
-def row_on_rank():
+def row_on_rank(seed: int, draws: int):
     from labkit.tp import RowParallelLinear
     setup()
+    groups = tp_groups()
+    drawn_linear("row", seed, draws, groups)
     full = nn.Linear(24, 12).double()
     with torch.no_grad():
         full.weight.copy_(seeded(12, 24, seed=6))
@@ -214,7 +490,7 @@ def row_on_rank():
     weights = seeded(B, T, 12, seed=9)
     y_ref = full(x_ref)
     (y_ref * weights).sum().backward()
-    for group in tp_groups():
+    for group in groups:
         n, rank = group.n, group.rank
         for input_is_parallel in (True, False):
             layer = RowParallelLinear.from_linear(full, group.handle, input_is_parallel=input_is_parallel)
@@ -244,23 +520,25 @@ def row_on_rank():
 @task("tp.column", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_column_parallel_linear(world_size):
-    run_graded("tp.column", column_on_rank, world_size)
+    run_graded("tp.column", column_on_rank, world_size, draw_seed(), DRAWS)
 
 
 @task("tp.row", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_row_parallel_linear(world_size):
-    run_graded("tp.row", row_on_rank, world_size)
+    run_graded("tp.row", row_on_rank, world_size, draw_seed(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- blocks
 
 
-def block_part_on_rank(kind: str):
+def block_part_on_rank(kind: str, seed: int, draws: int):
     """MLP or attention of the GPT, parallel vs whole: outputs, gradients, traffic."""
     from labkit.models import GPT
     from labkit.tp import ParallelMLP, ParallelSelfAttention
     setup()
+    groups = tp_groups()
+    drawn_block(kind, seed, draws, groups)
     task_id = f"tp.{kind}"
     ref_block = GPT(config()).double().blocks[0]
     ref = ref_block.mlp if kind == "mlp" else ref_block.attn
@@ -269,7 +547,7 @@ def block_part_on_rank(kind: str):
     (ref(x_ref) * weights).sum().backward()
     y_ref = ref(x_ref.detach()).detach()
     layers = ("c_fc", "c_proj") if kind == "mlp" else ("c_attn", "c_proj")
-    for group in tp_groups():
+    for group in groups:
         n = group.n
         block = GPT(config()).double().blocks[0]
         part = ParallelMLP(block.mlp, group.handle) if kind == "mlp" else ParallelSelfAttention(block.attn, group.handle)
@@ -306,13 +584,13 @@ def block_part_on_rank(kind: str):
 @task("tp.mlp", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parallel_mlp(world_size):
-    run_graded("tp.mlp", block_part_on_rank, world_size, "mlp")
+    run_graded("tp.mlp", block_part_on_rank, world_size, "mlp", draw_seed(), DRAWS)
 
 
 @task("tp.attention", points=1.5)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parallel_attention(world_size):
-    run_graded("tp.attention", block_part_on_rank, world_size, "attention")
+    run_graded("tp.attention", block_part_on_rank, world_size, "attention", draw_seed(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -326,9 +604,11 @@ def boundary_tokens(V: int, count: int, seed: int) -> torch.Tensor:
     return torch.cat([torch.tensor(edges), rest])[torch.randperm(count, generator=torch.Generator().manual_seed(seed))]
 
 
-def vocab_on_rank():
+def vocab_on_rank(seed: int, draws: int):
     from labkit.tp import VocabParallelEmbedding, vocab_parallel_cross_entropy
     setup()
+    groups = tp_groups()
+    drawn_vocab(seed, draws, groups)
     V = 48
     table = nn.Embedding(V, 16).double()
     with torch.no_grad():
@@ -342,7 +622,7 @@ def vocab_on_rank():
     targets = boundary_tokens(V, B * T, seed=17).view(B, T)
     expected = F.cross_entropy(logits_ref.flatten(0, 1), targets.flatten())
     expected.backward()
-    for group in tp_groups():
+    for group in groups:
         n, rank = group.n, group.rank
         emb = VocabParallelEmbedding.from_embedding(table, group.handle)
         with CommTracer() as fwd:
@@ -375,7 +655,7 @@ def vocab_on_rank():
 @task("tp.vocab", points=1.5)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_vocab_parallel_embedding_and_loss(world_size):
-    run_graded("tp.vocab", vocab_on_rank, world_size)
+    run_graded("tp.vocab", vocab_on_rank, world_size, draw_seed(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -418,12 +698,15 @@ def step_signature(gpt_config, ranks=None) -> tuple[list, list]:
     return forward, [Op("all_reduce", nbytes(B, T, H), ranks)] * (1 + 2 * L)
 
 
-def gpt_on_rank(tie: bool):
+def gpt_on_rank(tie: bool, seed: int = 0, draws: int = 0):
     """The TP GPT vs the single-process GPT: loss every step, gradients of step 0, weights
-    after 5 AdamW steps (gathered with the learner's full_state_dict), the traffic of a step."""
+    after 5 AdamW steps (gathered with the learner's full_state_dict), the traffic of a step;
+    then ``draws`` drawn GPTs (drawn_gpt)."""
     from labkit.models import GPT
     from labkit.tp import full_state_dict, tensor_parallel
     n, rank = setup()
+    if draws:
+        drawn_gpt(seed, draws, tp_groups())
     ref = GPT(config(tie_weights=tie)).double()
     with CommTracer() as built:
         model = tensor_parallel(GPT(config(tie_weights=tie)).double())
@@ -518,7 +801,7 @@ def bad_shapes_on_rank():
 @task("tp.model", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_tensor_parallel_gpt_trains_like_the_single_process_gpt(world_size):
-    run_graded("tp.model", gpt_on_rank, world_size, True)
+    run_graded("tp.model", gpt_on_rank, world_size, True, draw_seed(), DRAWS)
 
 
 @task("tp.model", points=2)

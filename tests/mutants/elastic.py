@@ -184,4 +184,13 @@ MUTANTS = [
     Mutant("elastic.resume", "saves_every_step", "saves after every step, to lose nothing",
            find="if progress.step % job.save_every == 0 or progress.step == job.steps:",
            replace="if True:"),
+    # Issue 39: param-group options are state (an LR schedule changes them)
+    Mutant("elastic.state", "drops_group_options",
+           "captures the optimizer's moments but not its param groups' options: restore keeps today's lr",
+           find="    put_group_options(optimizer, state[\"groups\"])\n",
+           replace=""),
+    Mutant("elastic.load", "load_drops_group_options",
+           "loads every tensor but leaves the fresh optimizer's options (the constructor's lr, not the schedule's)",
+           find="    put_group_options(optimizer, mine[\"groups\"])  # the same on every rank\n",
+           replace=""),
 ]

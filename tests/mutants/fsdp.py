@@ -156,4 +156,16 @@ MUTANTS = [
            "starts the next unit's re-gather in backward and waits for it at once",
            find=_BACKWARD_PREFETCH,
            replace=_BACKWARD_PREFETCH + "\n                nxt.pending[1].wait()"),
+    # Issue 39: what the drawn configurations (tests/grading/test_fsdp.py, drawn_on_rank) kill
+    Mutant("fsdp.backward", "caches_which_params_have_grads",
+           "decides once, at the first backward, which parameters get a gradient: a layer used only on "
+           "some steps then gets none (or a stale slot) later",
+           find="        have = [i for i, g in enumerate(full_grads) if g is not None]",
+           replace="        if not hasattr(self, '_have'):\n"
+                   "            self._have = [i for i, g in enumerate(full_grads) if g is not None]\n"
+                   "        have = self._have"),
+    Mutant("fsdp.shard", "float64_shards",
+           "allocates every shard in float64 (the dtype of the examples), not the parameter's dtype",
+           find="    shard = full.new_zeros((rows, *full.shape[1:]))",
+           replace="    shard = torch.zeros((rows, *full.shape[1:]), dtype=torch.float64)"),
 ]

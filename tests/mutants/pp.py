@@ -120,4 +120,16 @@ MUTANTS = [
                 out.append(Action("W", action.microbatch - s, s))""",
            replace="""            if action.kind == "B" and action.microbatch > s:
                 out.append(Action("W", action.microbatch - s - 1, s))"""),
+    # Issue 39: what the drawn configurations (tests/grading/test_pp.py) kill
+    Mutant("pp.p2p", "recv_shape_from_the_first_call",
+           "recv_forward allocates its buffer with the shape and dtype of its first call (cached on the function)",
+           find="    buffer = torch.empty(shape, dtype=dtype, device=device)\n"
+                "    dist.recv(buffer, src=peer(stage - 1, num_ranks, group), group=group, tag=message_tag(microbatch, stage, False))",
+           replace="    first = recv_forward.__dict__.setdefault('first', (shape, dtype))\n"
+                   "    buffer = torch.empty(first[0], dtype=first[1], device=device)\n"
+                   "    dist.recv(buffer, src=peer(stage - 1, num_ranks, group), group=group, tag=message_tag(microbatch, stage, False))"),
+    Mutant("pp.1f1b", "warmup_capped_at_four",
+           "1F1B's warm-up min(p - 1 - s, m, 3): right for the pipelines of up to 4 ranks the examples use",
+           find="        warmup = min(p - 1 - s, m)",
+           replace="        warmup = min(p - 1 - s, m, 3)"),
 ]

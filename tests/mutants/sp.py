@@ -191,4 +191,13 @@ MUTANTS = [
                 "        received = torch.empty_like(send)\n        dist.all_to_all_single(received, send, group=group)",
            replace="        n = degree()\n        send = torch.stack(x.chunk(n, scatter_dim)).contiguous()\n"
                    "        received = torch.empty_like(send)\n        dist.all_to_all_single(received, send)"),
+    # Issue 39: what the drawn configurations (tests/grading/test_sp.py) kill
+    Mutant("sp.ulysses", "all_to_all_fixed_dims",
+           "AllToAll scatters along dim 1 and gathers along dim 2 whatever it is asked (what Ulysses' first call needs)",
+           find="        send = torch.stack(x.chunk(n, scatter_dim)).contiguous()  # piece j -> rank j",
+           replace="        send = torch.stack(x.chunk(n, 1 if scatter_dim < gather_dim else 2)).contiguous()"),
+    Mutant("sp.online_softmax", "scores_of_4d_tensors",
+           "transposes k with dims (2, 3): right only for [B, heads, T, d] tensors",
+           find="    scores = (q @ k.transpose(-2, -1)) * scale",
+           replace="    scores = (q @ k.transpose(2, 3)) * scale"),
 ]

@@ -210,4 +210,33 @@ MUTANTS = [
                    "    for block in gpt.blocks:\n"
                    "        parallelize_module(block, mesh, {'attn.c_attn': ColwiseParallel(), 'attn.c_proj': RowwiseParallel(),\n"
                    "                                         'mlp.c_fc': ColwiseParallel(), 'mlp.c_proj': RowwiseParallel()})\n"),
+    # Issue 39: what the drawn configurations (tests/grading/test_tp.py, drawn_*) kill
+    Mutant("tp.vocab", "loss_backward_assumes_the_mean",
+           "the loss's backward divides by the number of tokens instead of using grad_loss: right only "
+           "when the incoming gradient is the mean's 1/(B*T) everywhere",
+           find="        return grad * grad_loss.unsqueeze(-1), None, None",
+           replace="        return grad / grad.shape[:-1].numel(), None, None"),
+    Mutant("tp.vocab", "embedding_assumes_2d_ids",
+           "flattens the ids and reshapes the lookups to [B, T, dim] from idx.shape: ids of another rank fail",
+           find="        rows = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)",
+           replace="        B, T = idx.shape[0], idx.shape[-1]\n"
+                   "        rows = F.embedding(local.reshape(-1), self.weight).masked_fill(outside.reshape(-1, 1), 0.0)\n"
+                   "        rows = rows.view(B, T, -1)"),
+    Mutant("tp.f_g", "f_backward_reduces_grad_in_place",
+           "f's backward all-reduces the incoming gradient in place: the caller's tensor is overwritten",
+           find="        grad = grad.clone()\n        dist.all_reduce(grad, group=ctx.group)",
+           replace="        dist.all_reduce(grad, group=ctx.group)"),
+    Mutant("tp.f_g", "g_sums_in_float64",
+           "g all-reduces a float64 copy for accuracy and returns it: the output is float64 whatever came in",
+           find="        x = x.clone()\n        dist.all_reduce(x, group=group)",
+           replace="        x = x.to(torch.float64, copy=True)\n        dist.all_reduce(x, group=group)"),
+    Mutant("tp.row", "bias_always_added",
+           "adds self.bias unconditionally: a row layer without bias fails",
+           find="        return y + self.bias if self.bias is not None else y",
+           replace="        return y + self.bias"),
+    Mutant("tp.column", "assumes_3d_input",
+           "multiplies x viewed as [B*T, in] and views the result as [B, T, out/N]: only 3-D inputs work",
+           find="        y = F.linear(x, self.weight, self.bias)  # [.., out/N]: this rank's output features",
+           replace="        B, T = x.shape[0], x.shape[1]\n"
+                   "        y = F.linear(x.reshape(B * T, -1), self.weight, self.bias).view(B, T, -1)"),
 ]
