@@ -212,6 +212,13 @@ def test_suspended_and_record_mode(fake, tmp_path):
     assert json.loads(log.read_text())["call"] == "fakeex.reseed"
 
 
+def test_graded_tests_export_it_to_their_ranks_and_others_do_not():
+    """Notebooks and labs run by the suite are measured as a learner runs them: only the
+    launches of graded tests carry the checks to their ranks."""
+    import os
+    assert contracts.CONTRACTS_ENV not in os.environ
+
+
 def test_grading_installs_it_here():
     """The grading plugin turned it on for this process: exercises imported now are wrapped."""
     from labkit import collectives
@@ -235,12 +242,13 @@ def broken_gather_on_rank():
 
 
 def test_every_rank_is_checked(tmp_path, monkeypatch):
-    """Ranks install the layer from the environment the grader set: a wrong implementation
-    loaded into the ranks (as mutation testing does) fails there, named by the error."""
+    """Ranks install the layer from the environment the grader sets around a graded test: a
+    wrong implementation loaded into the ranks (as mutation testing does) fails there."""
     from labkit.launch import WorkerError, launch
     path = tmp_path / "collectives.py"
     path.write_text(BROKEN_GATHER)
     monkeypatch.setenv(OVERRIDES_ENV, json.dumps({"collectives": str(path)}))
+    monkeypatch.setenv(contracts.CONTRACTS_ENV, json.dumps(catalogue.spec()))  # as around a graded test
     with pytest.raises(WorkerError, match="ContractError.*ring_all_gather: changed its argument 'input'"):
         launch(broken_gather_on_rank, 2, timeout=60)
 

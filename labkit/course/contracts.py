@@ -90,15 +90,17 @@ def spec(mode: str | None = None) -> dict | None:
     return dict(modules=sorted(CHAPTERS.values()), declared=declared, init_may_consume=True, mode=mode)
 
 
-def enable(mode: str | None = None) -> bool:
-    """Check every call from now on, here and in every rank launched from here."""
+def enable(mode: str | None = None) -> str | None:
+    """Check every exercise call in this process from now on; return the value of
+    ``LABKIT_CONTRACTS`` that makes the ranks of a launch do the same (the grading plugin
+    sets it around each graded test only: a notebook or lab that the suite also runs is
+    measured as a learner runs it, without the checks' copies), or None when switched off."""
     from labkit.runtime import contracts
     wanted = spec(mode)
     if wanted is None:
-        return False
-    os.environ[contracts.CONTRACTS_ENV] = json.dumps(wanted)
+        return None
     contracts.install(wanted)
-    return True
+    return json.dumps(wanted)
 
 
 def describe(task_prefix: str | None = None) -> list[str]:

@@ -154,7 +154,7 @@ def pytest_configure(config):
             f"labkit grading: these tests belong to {root}, but Python imported labkit from "
             f"{imported}. Grading them would grade the wrong code. Run `labkit grade` inside "
             f"{root} (it imports that tree's labkit), or `pip install -e .` there.")
-    contracts.enable()
+    config._labkit_contracts = contracts.enable()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -220,6 +220,26 @@ def _mutants(config) -> list:
         config._labkit_fates = {}
         config._labkit_mutants_used = set()
     return config._labkit_mutants
+
+
+@pytest.fixture(autouse=True)
+def labkit_contracts(request):
+    """Around every graded test: the ranks it launches check every exercise call's contracts
+    too (``labkit.runtime.contracts``; this process checks them from the start)."""
+    from labkit.runtime.contracts import CONTRACTS_ENV
+    exported = getattr(request.config, "_labkit_contracts", None)
+    if request.node.get_closest_marker("grade") is None or not exported:
+        yield
+        return
+    before = os.environ.get(CONTRACTS_ENV)
+    os.environ[CONTRACTS_ENV] = exported
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(CONTRACTS_ENV, None)
+        else:
+            os.environ[CONTRACTS_ENV] = before
 
 
 @pytest.fixture(autouse=True)
