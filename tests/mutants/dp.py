@@ -90,4 +90,9 @@ MUTANTS = [
     Mutant("dp.parameter_server", "staleness_off_by_one", "answers a pull one version too early: s + 1 stale",
            find="            if version >= iteration - staleness:",
            replace="            if version >= iteration - staleness - 1:"),
+    # Contracts (labkit.runtime.contracts): the same indices, the caller's RNG changed.
+    Mutant("dp.sampler", "seeds_the_global_generator",
+           "seeds torch's global generator for its permutation: right indices, every later dropout mask and init changed",
+           find="        gen = torch.Generator().manual_seed(seed + epoch)\n        order = torch.randperm(dataset_len, generator=gen).tolist()",
+           replace="        torch.manual_seed(seed + epoch)\n        order = torch.randperm(dataset_len).tolist()"),
 ]

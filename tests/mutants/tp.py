@@ -239,4 +239,9 @@ MUTANTS = [
            find="        y = F.linear(x, self.weight, self.bias)  # [.., out/N]: this rank's output features",
            replace="        B, T = x.shape[0], x.shape[1]\n"
                    "        y = F.linear(x.reshape(B * T, -1), self.weight, self.bias).view(B, T, -1)"),
+    # Contracts (labkit.runtime.contracts): the right sum, the caller's partial result overwritten.
+    Mutant("tp.f_g", "g_reduces_its_input_in_place",
+           "g all-reduces the row-parallel layer's output in place: right forward, the caller's tensor overwritten",
+           find="        x = x.clone()\n        dist.all_reduce(x, group=group)\n        return x",
+           replace="        dist.all_reduce(x, group=group)\n        return x.view_as(x)"),
 ]
