@@ -63,6 +63,8 @@ CATALOGUE: dict[str, Declares] = {
     "recompute.Checkpoint.forward": Declares(consumes=("rng",), why="runs the wrapped function, whose dropout draws"),
     "recompute.Checkpointed.forward": Declares(consumes=("rng",), why="runs the wrapped module, whose dropout draws"),
     "recompute.offloaded_forward": Declares(consumes=("rng",), why="the model's forward, whose dropout draws"),
+    "recompute.chunked_cross_entropy": Declares(casts=True, why="the loss is an fp32 scalar whatever the inputs' dtype (its docstring)"),
+    "recompute.ChunkedCrossEntropy.backward": Declares(casts=True, why="the fp32 loss's gradient comes back in each input's dtype (its docstring)"),
     "recompute.memory_gpt": Declares(consumes=("rng",), why="builds the model from its seed (torch.manual_seed(seed), as a script would)"),
     # 13 RPC: a name service: the owner registers an object under a name, connect() finds it
     "rpc.serve": Declares(registers=True, why="registers the RRef under its name for connect()"),
