@@ -279,3 +279,19 @@ def test_every_not_implemented_line_says_where_the_stub_is(tmp_path):
     assert report == f"NOT IMPLEMENTED perf.flops: 1 test(s) · {where}", report
     with_frame = dict(record, frame="labkit/perf.py:1 in flops_per_token")
     assert cli.with_stub_places(grading.failure_report([with_frame]), ws).endswith("· labkit/perf.py:1 in flops_per_token")
+
+
+def test_results_json_says_each_failure_once():
+    """A failed test's output in results.json: the message once, then the traceback lines
+    that add something (not the message again as the traceback's last line)."""
+    from labkit.course.grading import gradescope_results
+    message = "dp.sampler: failed at world size 2: rank 1 raised ContractError: contract broken by labkit.dp.shard_indices"
+    details = ('Traceback (most recent call last):\n  File "labkit/dp.py", line 66, in shard_indices\n'
+               "    torch.manual_seed(seed + epoch)\n"
+               "labkit.runtime.contracts.ContractError: contract broken by labkit.dp.shard_indices\n"
+               f"E   labkit.course.grading.GradedFailure: {message}")
+    record = dict(name="tests/grading/test_dp.py::test_sampler[2]", task="dp.sampler", points=1.0, world_size=2,
+                  hidden=False, outcome="failed", output=message, details=details, frame="")
+    output = gradescope_results([record])["tests"][0]["output"]
+    assert output.count("contract broken by labkit.dp.shard_indices") == 1, output
+    assert 'line 66, in shard_indices' in output and "torch.manual_seed(seed + epoch)" in output

@@ -579,6 +579,21 @@ def failure_report(records: list[dict]) -> str:
     return "\n".join(lines + blocks)
 
 
+def _without_repeats(details: str, shown: str) -> str:
+    """The lines of ``details`` that do not say again what ``shown`` says (pytest's last line,
+    ``E   ...GradedFailure: <task>: <message>``, and a rank's ``SomeError: <message>`` repeat
+    the message the block above printed)."""
+    flat = " ".join(shown.split())
+
+    def repeats(line: str) -> bool:
+        text = re.sub(r"^E\s+", "", line.strip())
+        text = re.sub(r"^[\w.]+(Error|Failure|Exception|Timeout|Deadlock)\b:\s*", "", text)
+        text = " ".join(text.split())
+        return len(text) > 20 and (text in flat or text.split(": ", 1)[-1] in flat)
+
+    return "\n".join(line for line in details.splitlines() if not repeats(line)).strip()
+
+
 def gradescope_results(records: list[dict]) -> dict:
     """Gradescope autograder format: one entry per test, scores summed. A test scores only
     when its whole task passed; hidden tests are shown once the grades are published."""
@@ -597,7 +612,9 @@ def gradescope_results(records: list[dict]) -> dict:
         if r.get("points") == 0 and r.get("world_size") == 1:
             output += " (world size 1: a diagnostic, no points of its own)"
         if r["outcome"] != "passed" and r.get("details"):
-            output += "\n\n" + r["details"]
+            details = _without_repeats(r["details"], output)
+            if details:
+                output += "\n\n" + details
         if len(output) > OUTPUT_LIMIT:
             output = output[:OUTPUT_LIMIT] + "\n... (truncated)"
         tests.append(dict(name=f"{r['task']} :: {r['name']}", score=earned, max_score=r["points"],
