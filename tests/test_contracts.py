@@ -267,3 +267,15 @@ def test_catalogue_names_real_callables_and_arguments():
         for argument in declared.writes:
             assert argument in parameters, f"{name} declares it writes {argument!r}, which it does not take"
         assert set(declared.consumes) <= {"rng"} and declared.why, name
+
+
+def test_labkit_tasks_prints_the_catalogue():
+    """A learner sees what each exercise may write or consume before the grader says so."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "labkit.course.cli", "tasks", "--contracts", "00"],
+                         capture_output=True, text=True, check=True).stdout
+    for name, declared in catalogue.CATALOGUE.items():
+        if name.startswith("collectives."):
+            assert name in out and declared.why in out, out
+    assert "compress." not in out

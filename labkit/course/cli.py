@@ -128,6 +128,16 @@ def cmd_tasks(args, root: Path) -> int:
         whole = {grading.chapter_module(name) for name in args.selection} - {None}
         infos = [t for t in infos if t.task in args.selection or t.task.split(".")[0] in whole]
     print(f"exercises in {tree_label(root)}  (grade one: labkit grade <task id>)")
+    if args.contracts:   # what each exercise may write or consume, the grader's catalogue
+        from labkit.course import contracts
+        modules = list(dict.fromkeys(t.task.split(".")[0] for t in infos))
+        print("while grading, every call of an exercise leaves the caller's tensors, the global random "
+              "generators and its module's state as they were, except:")
+        for module in modules:
+            for line in contracts.describe(module + "."):
+                print(f"  {line}")
+        print("  (any nn.Module __init__ may draw its initial weights from torch's global generator)")
+        return 0
     print(catalog.format_tasks(infos))
     print("points: a task earns them only when all of its tests pass, at every world size")
     for line in catalog.format_earlier(root, list(dict.fromkeys(t.chapter for t in infos))):
@@ -227,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     tasks = sub.add_parser("tasks", help="list the exercises: task id, file and line, hint")
     tasks.add_argument("selection", nargs="*", metavar="chapter|task",
                        help="only these chapters (10, moe, memory) or task ids; default: all")
+    tasks.add_argument("--contracts", action="store_true",
+                       help="what each exercise may write or consume (the grader checks every call)")
     tasks.set_defaults(run=cmd_tasks)
 
     ws = sub.add_parser("workspace", help="write a learner workspace with every solution stubbed")
