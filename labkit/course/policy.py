@@ -49,7 +49,8 @@ from labkit.course.chapters import CHAPTERS
 # ----------------------------------------------------------------------------- the tables
 
 STDLIB = ("__future__", "math", "typing", "dataclasses", "functools", "itertools", "collections",
-          "contextlib", "enum", "abc", "numbers", "warnings", "time", "threading", "random")
+          "contextlib", "enum", "abc", "numbers", "warnings", "time", "threading", "random", "copy",
+          "heapq", "bisect", "statistics")
 TOOLS = ("labkit.models", "labkit.memory", "labkit.budget", "labkit.data", "labkit.check",
          "labkit.launch.restart_count", "labkit.launch.rpc_name", "labkit.launch.under_torchrun")
 FILES = ("os", "pathlib", "hashlib", "json", "re", "shutil", "tempfile", "io")
@@ -72,7 +73,10 @@ EXTRA_PATCH: dict[str, tuple[str, ...]] = {
     "rpc": ("warnings.showwarning",),  # hides one note of torch's about the scripted optimizer
 }
 EXTRA_OS: dict[str, tuple[str, ...]] = {"elastic": ("os.kill",)}  # the lab's simulated crash kills itself
-FILE_CHAPTERS = ("elastic",)  # may call open(), torch.save and torch.load
+FILE_CHAPTERS = ("elastic",)
+# Given code a graded function may not call: it solves a graded task (lab 00's pipelined ring
+# with one segment is the graded ring all-reduce).
+GIVEN_ONLY: dict[str, tuple[str, ...]] = {"collectives": ("pipelined_ring_all_reduce",)}  # may call open(), torch.save and torch.load
 
 # Never, in any chapter (a name equal to one, or below it).
 BANNED = ("torch._C", "torch.ops.c10d", "torch.ops._c10d_functional", "torch.ops.profiler",
@@ -110,6 +114,10 @@ DEFS_BANNED = {"__reduce__", "__reduce_ex__", "__del__", "__getattribute__", "__
                "__index__", "__float__", "__int__", "__hash__"}
 
 
+POLICY_BROKEN = ("the submission breaks the policy for exercise modules (labkit/course/policy.py says "
+                 "what an exercise may use), so no code of it is run:")
+
+
 @dataclass(frozen=True)
 class Violation:
     file: str
@@ -142,14 +150,39 @@ def violations(module: str, source: str, filename: str = "", sources: dict[str, 
     return sorted(set(_Checker(module, filename, sources or {}).run(tree)), key=lambda v: (v.line, v.what))
 
 
+@functools.lru_cache(maxsize=256)
+def _cached(module: str, source: str, filename: str, sources: tuple) -> tuple:
+    return tuple(violations(module, source, filename, dict(sources)))
+
+
+def check_tree(module: str, source: str, package) -> list[Violation]:
+    """Violations of ``module`` (its ``source``) and of every exercise module it imports,
+    directly or not, read from ``package`` (the ``labkit`` folder of the tree being graded)."""
+    from pathlib import Path
+    sources = {m: (Path(package) / f"{m}.py").read_text() for m in CHAPTERS.values()
+               if (Path(package) / f"{m}.py").exists()}
+    sources[module] = source
+    found, todo, seen = [], [module], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in sources:
+            continue
+        seen.add(name)
+        found += _cached(name, sources[name], f"labkit/{name}.py", tuple(sorted(sources.items())))
+        todo += [m for m in _exercise_imports(sources[name])]
+    return found
+
+
+def _exercise_imports(source: str) -> list[str]:
+    return [name.split(".")[1] for name in _source_aliases(source).values() if is_exercise(name)] + [
+        a.split(".")[1] for a in re.findall(r"^\s*import (labkit\.\w+)", source, re.M) if is_exercise(a)]
+
+
 def check(module: str, source: str, filename: str = "", sources: dict[str, str] | None = None) -> None:
     """Raise AssertionError listing every violation (the graded tests call this)."""
     found = violations(module, source, filename, sources)
     if found:
-        raise AssertionError(
-            f"{filename or f'labkit/{module}.py'} breaks the submission policy, so none of its tasks "
-            f"are graded (labkit/course/policy.py says what an exercise may use): "
-            + "; ".join(map(str, found)))
+        raise AssertionError(POLICY_BROKEN + " " + "; ".join(map(str, found)))
 
 
 def is_exercise(name: str) -> bool:
@@ -248,8 +281,9 @@ class _Checker:
 
     def check_import(self, node, name: str) -> None:
         if not _under(name, self.allowed):
-            self.flag(node, f"imports {name}, which chapter {self.module} may not use "
-                            f"(allowed: {', '.join(r for r in self.allowed if r != '__future__')})")
+            roots = dict.fromkeys(r.split(".")[0] if not r.startswith("labkit") else r for r in self.allowed)
+            self.flag(node, f"imports {name}, which chapter {self.module} may not use (allowed: "
+                            f"{', '.join(r for r in roots if r != '__future__')})")
             return
         self.check_name(node, self.canonical(name))
 
@@ -271,6 +305,10 @@ class _Checker:
         return _canonical(name, tuple(sorted(self.sources.items())))
 
     def check_name(self, node, name: str) -> None:
+        from labkit.course import rules
+        if rules.forbidden_uses(self.module, f"import {name}") and not name.startswith("labkit."):
+            self.flag(node, f"uses {name}, PyTorch's own implementation of what the chapter builds")
+            return
         if _under(name, self.private_ok):
             return
         if _under(name, BANNED) or (not self.files and _under(name, FILE_IO)):
@@ -288,7 +326,9 @@ class _Checker:
 
     def visit_name(self, node: ast.Name) -> None:
         parent = self.parents.get(node)
-        if node.id in NAMES_BANNED:
+        if node.id in GIVEN_ONLY.get(self.module, ()) and isinstance(node.ctx, ast.Load):
+            self.flag(node, f"calls the given {node.id}, which solves a graded task: write the task's own code")
+        elif node.id in NAMES_BANNED:
             self.flag(node, f"uses {node.id}")
         elif node.id in BUILTINS_BANNED and self.builtin(node):
             self.flag(node, f"uses {node.id}() (code or names made at run time)")
