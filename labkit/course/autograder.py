@@ -9,9 +9,16 @@ and puts the student's files in ``/autograder/submission``. For each submission 
 1. copy the release to a scratch tree and drop in the submitted exercise modules
    (``collectives.py``, ``ddp.py``, ... found anywhere in the submission; nothing else:
    a submission cannot replace the grading code);
-2. grade the chosen chapters there, exactly as ``labkit grade`` does;
-3. write ``/autograder/results/results.json`` whatever happens: a hung or crashing
+2. read every submitted module against the policy (``labkit.course.policy``) before anything
+   runs: a module that breaks it earns none of its tasks' points, and each breach is listed;
+3. grade the chosen chapters there as ``labkit grade --judge`` does (``labkit.course.judge``):
+   the process that records the score imports no submitted module, results cross as plain
+   data, and, as root (Gradescope), the ranks run as the unprivileged ``labkit-student`` and
+   every process of that user is killed before the report is read;
+4. write ``/autograder/results/results.json`` whatever happens: a hung or crashing
    submission still gets its score, and a broken grading run gets a score of 0 that says why.
+   ``extra_data.flagged`` lists, for the instructor, every policy breach and every result or
+   error file the launcher did not write (the same lines lead ``output``).
 
 ``AUTOGRADER_ROOT`` (default ``/autograder``) and ``AUTOGRADER_PYTHON`` let a test run the
 same script in a simulated layout.
@@ -29,7 +36,8 @@ import traceback
 import zipfile
 from pathlib import Path
 
-from labkit.course import grading, workspace
+from labkit.course import grading, judge, workspace
+from labkit.runtime import sandbox
 
 CONFIG = "autograder.json"
 RELEASE_PARTS = ["labkit", "tests", "pyproject.toml", "README.md", workspace.MARKER_FILE]
@@ -117,12 +125,24 @@ def grade_submission(source: Path, submission: Path, results: Path) -> dict:
                 f"({', '.join(m + '.py' for m in config['chapters'])}).")))
         for name, path in submitted.items():
             shutil.copy(path, tree / "labkit" / name)
+        broken = judge.check_submission(tree / "labkit", [Path(n).stem for n in submitted])
+        flagged = [f"policy: {v}" for vs in broken.values() for v in vs]
         env = dict(os.environ, **{grading.TIMEOUT_ENV: str(config["timeout"])})
+        env.update(judge.isolation(Path(tmp)))  # as root: the ranks run as another user
         files = grading.grading_files(config["chapters"], tree)
-        records, log = grading.run_tests(files, tree, progress=False, env=env)
+        records, log = grading.run_tests(files, tree, progress=False, env=env, judge=True)
     out = grading.gradescope_results(records)
+    flagged += [f"runtime: {t['name']}: " + next(line for line in t["output"].splitlines() if sandbox.FLAG in line)
+                for t in out["tests"] if sandbox.FLAG in t["output"]]
     out["output"] = (f"Graded {', '.join(sorted(submitted))} on chapters {', '.join(config['chapters'])}: "
                      f"{out['score']:g}/{out['max_score']:g}.")
+    if broken:
+        out["output"] = (f"Not graded: {', '.join(f'{m}.py' for m in broken)} "
+                         f"{'break' if len(broken) > 1 else 'breaks'} the policy for exercise modules "
+                         "(labkit/course/policy.py says what an exercise may use), so none of their tasks "
+                         "earn points:\n" + "\n".join(f"  {v}" for vs in broken.values() for v in vs)
+                         + "\n\n" + out["output"])
+    out["extra_data"] = dict(flagged=flagged)
     return _write(results, out)
 
 

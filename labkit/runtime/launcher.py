@@ -268,7 +268,7 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
             return _supervise(server, ranks, timeout, detector, PEER_REPORT_WAIT if rpc_options else 0.0)
         finally:
             _stop(ranks)
-            sandbox.kill_student()  # judge as root: nothing of the submission outlives its launch
+            sandbox.after_launch({server.proc.pid})  # judge: nothing of the submission outlives its launch
             del store
 
 

@@ -101,6 +101,64 @@ def kill_student(wait: float = 5.0) -> None:
         time.sleep(0.02)
 
 
+def adopt_orphans() -> None:
+    """Under the judge, this process becomes the subreaper of everything it starts: a rank's
+    detached grandchild (double fork + setsid) is reparented here, not to init, so
+    ``kill_strays`` finds it, with or without root."""
+    if judging() and sys.platform.startswith("linux"):
+        import ctypes
+        PR_SET_CHILD_SUBREAPER = 36
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def after_launch(keep: set[int]) -> None:
+    """Under the judge, when a launch ends: kill the student's user's processes (as root) and
+    every other descendant of this process except ``keep`` (the rank server)."""
+    if not judging():
+        return
+    kill_student()
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        strays = [p for p in _descendants(os.getpid()) if p not in keep]
+        if not strays:
+            return
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.02)
+
+
+def _parents() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                found[int(entry)] = (int(fields[1]), fields[0])
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def _descendants(root: int) -> list[int]:
+    """Live (not zombie) descendants of ``root``, and of its threads' children."""
+    table = _parents()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        if table[pid][1] != "Z":
+            found.append(pid)
+        todo += children.get(pid, [])
+    return found
+
+
 def processes_of(uid: int) -> list[int]:
     found = []
     for entry in os.listdir("/proc"):
