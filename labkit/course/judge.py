@@ -113,6 +113,41 @@ def pytest_configure(config):
     sandbox.adopt_orphans()
 
 
+COLLECT_ENV = "LABKIT_JUDGE_COLLECT"  # make_bundle: write the graded tests (no run) to this path
+
+
+def pytest_collection_finish(session):
+    """``make_bundle`` lists the bundle's graded tests (task, points) once, so that a module that
+    breaks the policy is scored without running anything."""
+    path = os.environ.get(COLLECT_ENV)
+    if not path:
+        return
+    import json
+    tests = []
+    for item in session.items:
+        marker = item.get_closest_marker("grade")
+        if marker is not None:
+            callspec = getattr(item, "callspec", None)
+            size = callspec.params.get("world_size") if callspec else None
+            tests.append(dict(name=item.nodeid, task=marker.args[0], world_size=size,
+                              points=0.0 if size == 1 else float(marker.kwargs.get("points", 1)),
+                              hidden="hidden" in Path(str(item.path)).parent.name))
+    Path(path).write_text(json.dumps(tests))
+    session.items[:] = []
+
+
+def policy_records(tests: list[dict], broken: dict) -> list[dict]:
+    """Failing records, without running anything, for the tests of modules that break the policy."""
+    out = []
+    for t in tests:
+        module = t["task"].split(".")[0]
+        if module in broken:
+            message = (f"{t['task']}: not graded: {policy.POLICY_BROKEN} "
+                       + "; ".join(map(str, broken[module])))
+            out.append(dict(t, outcome="failed", output=message, details="", frame=""))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _judge_tmp_path(request):
     """As root, a test's tmp_path (where its ranks write, e.g. chapter 09's checkpoints) is the
