@@ -44,13 +44,25 @@ CONFIG = "autograder.json"
 RELEASE_PARTS = ["labkit", "tests", "pyproject.toml", "README.md", workspace.MARKER_FILE]
 
 SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, when it builds the autograder image.
+# Gradescope runs this once, as root, when it builds the autograder image. The course needs
+# Python >= 3.11 (its pins have no wheels for 3.10, Ubuntu 22.04's python3): when the image's
+# python3 is older, install the distribution's python3.11 and use that.
+# LABKIT_SETUP_CHECK=1: only say which Python would be used (tests/test_autograder.py).
 set -euo pipefail
-cd /autograder/source
-if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-    apt-get update && apt-get install -y python3 python3-venv python3-pip
+cd "${AUTOGRADER_ROOT:-/autograder}/source"
+PY=python3
+if ! command -v python3 >/dev/null || ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    PY=python3.11
+    apt-get update && apt-get install -y python3.11 python3.11-venv
+elif ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    apt-get update && apt-get install -y "python3.$(python3 -c 'import sys; print(sys.version_info[1])')-venv"
 fi
-python3 -m venv /autograder/venv
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version'
+if [ "${LABKIT_SETUP_CHECK:-}" = 1 ]; then
+    echo "python: $(command -v "$PY") $("$PY" -c 'import platform; print(platform.python_version())')"
+    exit 0
+fi
+"$PY" -m venv /autograder/venv
 # The CPU build of torch: the default one on Linux pulls several GB of CUDA libraries.
 /autograder/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 /autograder/venv/bin/pip install -e /autograder/source
