@@ -179,3 +179,81 @@ def test_the_judges_process_never_imports_a_submitted_module(tmp_path):
 def sandbox_flag() -> str:
     from labkit.runtime import sandbox
     return sandbox.FLAG
+
+
+# ----------------------------------------------------------------------------- as root
+
+def readable_python(tmp_path: Path) -> Path | None:
+    """A Python the unprivileged user can run: the system's python3.X (this one's version)
+    in a venv that sees this environment's packages (ours may live under /root)."""
+    system = Path(f"/usr/bin/python3.{sys.version_info[1]}")
+    if os.geteuid() != 0 or not system.exists():
+        return None
+    venv = tmp_path / "venv"
+    subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    (venv / "lib" / f"python3.{sys.version_info[1]}" / "site-packages" / "course.pth").write_text(site + "\n")
+    return venv / "bin" / "python"
+
+
+def test_as_root_the_ranks_run_as_another_user_and_leave_nothing(tmp_path):
+    python = readable_python(tmp_path)
+    if python is None:
+        pytest.skip("needs root and a system Python of this version (the isolation Gradescope gets)")
+    from labkit.course import judge
+    judge.isolation(tmp_path)  # creates the user; lets it read tmp_path
+    os.chmod(tmp_path, 0o755)
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    script = tmp_path / "judge_script.py"
+    script.write_text(textwrap.dedent(f'''
+        import os, time
+        from labkit.launch import launch, WorkerError
+        from labkit.runtime import sandbox
+        sandbox.adopt_orphans()
+
+        def rank():
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    time.sleep(120)
+                os._exit(0)
+            try:
+                open({str(secret / "report.json")!r}, "w")
+                wrote = True
+            except PermissionError:
+                wrote = False
+            return os.getuid(), wrote
+
+        print("RANKS", launch(rank, 2, timeout=60))
+        uid = sandbox.student()[0]
+        print("LEFT", sandbox.processes_of(uid))
+    '''))
+    env = dict(os.environ, LABKIT_JUDGE="1", LABKIT_JUDGE_USER=judge.STUDENT_USER, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([str(python), str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    import pwd
+    uid = pwd.getpwnam(judge.STUDENT_USER).pw_uid
+    assert f"RANKS [({uid}, False), ({uid}, False)]" in proc.stdout, proc.stdout
+    assert "LEFT []" in proc.stdout, proc.stdout
+    assert not (secret / "report.json").exists()
+
+
+@needs_solutions
+def test_as_root_the_reference_still_scores_full(bundle, tmp_path):
+    python = readable_python(tmp_path)
+    if python is None:
+        pytest.skip("needs root and a system Python of this version (the isolation Gradescope gets)")
+    root = tmp_path / "autograder"
+    with zipfile.ZipFile(bundle) as z:
+        z.extractall(root / "source")
+    (root / "submission").mkdir()
+    (root / "submission" / "collectives.py").write_text((ROOT / "labkit" / "collectives.py").read_text())
+    env = dict(os.environ, AUTOGRADER_ROOT=str(root), AUTOGRADER_PYTHON=str(python))
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bash", str(root / "source" / "run_autograder")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    results = json.loads((root / "results" / "results.json").read_text())
+    assert (results["score"], results["max_score"]) == (MAX_SCORE, MAX_SCORE), results["output"] + proc.stderr[-2000:]
+    assert results["extra_data"]["flagged"] == []
