@@ -11,6 +11,11 @@ DDP, all-to-all in Ulysses) stay allowed.
 
 A name is forbidden when it equals an entry or lies below it (``torch.distributed.tensor``
 forbids ``torch.distributed.tensor.parallel.ColwiseParallel``).
+
+``check`` then applies the submission policy (``labkit.course.policy``: the imports a chapter
+allows, no dynamic access that would defeat this table) to the module and to every exercise
+module it imports; the policy also resolves names through the real modules, so a built-in
+reached as ``labkit.models.torch.distributed.all_reduce`` is found too.
 """
 
 from __future__ import annotations
