@@ -1,6 +1,6 @@
 """The Gradescope bundle, end to end: ``labkit autograder 00`` is unpacked into a simulated
 ``/autograder`` layout and ``run_autograder`` grades four submissions: the reference (full
-marks), the stubs (zero), one whose all-gather hangs and one whose reduce-scatter kills its
+marks), the stubs (zero), one whose all-gather hangs and one whose reduce-scatter exits its
 rank. The last two lose exactly the tasks that use the broken function (a task scores only
 when all of its tests pass), within the time limit per launch, and every run writes
 ``results/results.json``. The bundle carries the hidden tests a workspace lacks.
@@ -63,9 +63,10 @@ def submissions() -> dict[str, tuple[str, str]]:
         "    chunks = output.view(n, -1)  # a view",
         "    import time; time.sleep(3600)  # hangs, and not in communication: only the timeout sees it\n"
         "    chunks = output.view(n, -1)  # a view")
+    # A rank that exits mid-task (os.kill and os._exit break the policy: tests/test_cheats.py).
     kill = reference.replace(
         "    chunks = input.reshape(n, -1)\n",
-        "    chunks = input.reshape(n, -1)\n    import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+        "    chunks = input.reshape(n, -1)\n    raise SystemExit(9)\n")
     assert hang != reference and kill != reference
     return {"reference": (reference, "labkit/collectives.py"), "stub": (None, "collectives.py"),
             "hang": (hang, "labkit/collectives.py"), "kill": (kill, "my files/collectives.py")}
@@ -114,7 +115,7 @@ def test_run_autograder_scores_a_submission(bundle, tmp_path, name):
         assert len(hung) == 4, [t["output"][:200] for t in results["tests"]]
         assert any("skipped: hung at world size 1" in t["output"] for t in results["tests"])
     if name == "kill":
-        assert any("killed by signal 9" in t["output"] for t in results["tests"]), results
+        assert any("raised SystemExit: 9" in t["output"] for t in results["tests"]), results
 
 
 # ----------------------------------------------------------------------------- setup.sh
