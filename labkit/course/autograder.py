@@ -156,7 +156,9 @@ def grade_submission(source: Path, submission: Path, results: Path) -> dict:
         broken = judge.check_submission(tree / "labkit", [Path(n).stem for n in submitted])
         flagged = [f"policy: {v}" for vs in broken.values() for v in vs]
         env = dict(os.environ, **{grading.TIMEOUT_ENV: str(config["timeout"])})
-        env.update(judge.isolation(Path(tmp)))  # as root: the ranks run as another user
+        isolated = judge.isolation(Path(tmp))  # as root: the ranks run as another user
+        env.update(isolated)
+        os.environ.update(isolated, **({judge.JUDGE_ENV: "1"} if isolated else {}))  # run_tests kills that user's processes
         records = judge.policy_records(config.get("tests", []), broken)  # scored without running
         done = {r["task"].split(".")[0] for r in records}
         left = [m for m in config["chapters"] if m not in done]

@@ -67,8 +67,6 @@ def isolation(scratch: Path) -> dict[str, str]:
     if not _user_can_run(STUDENT_USER, [sys.executable, *sys.path]):
         return {}  # e.g. a Python under /root: the ranks could not import it (README says so)
     os.chmod(scratch, 0o755)  # TemporaryDirectory makes it 0700: the ranks must read the tree
-    os.environ[USER_ENV] = STUDENT_USER  # this process too: run_tests kills that user's processes
-    os.environ[JUDGE_ENV] = "1"
     return {USER_ENV: STUDENT_USER}
 
 
