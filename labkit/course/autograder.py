@@ -9,9 +9,16 @@ and puts the student's files in ``/autograder/submission``. For each submission 
 1. copy the release to a scratch tree and drop in the submitted exercise modules
    (``collectives.py``, ``ddp.py``, ... found anywhere in the submission; nothing else:
    a submission cannot replace the grading code);
-2. grade the chosen chapters there, exactly as ``labkit grade`` does;
-3. write ``/autograder/results/results.json`` whatever happens: a hung or crashing
+2. read every submitted module against the policy (``labkit.course.policy``) before anything
+   runs: a module that breaks it earns none of its tasks' points, and each breach is listed;
+3. grade the chosen chapters there as ``labkit grade --judge`` does (``labkit.course.judge``):
+   the process that records the score imports no submitted module, results cross as plain
+   data, and, as root (Gradescope), the ranks run as the unprivileged ``labkit-student`` and
+   every process of that user is killed before the report is read;
+4. write ``/autograder/results/results.json`` whatever happens: a hung or crashing
    submission still gets its score, and a broken grading run gets a score of 0 that says why.
+   ``extra_data.flagged`` lists, for the instructor, every policy breach and every result or
+   error file the launcher did not write (the same lines lead ``output``).
 
 ``AUTOGRADER_ROOT`` (default ``/autograder``) and ``AUTOGRADER_PYTHON`` let a test run the
 same script in a simulated layout.
@@ -23,25 +30,39 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import traceback
 import zipfile
 from pathlib import Path
 
-from labkit.course import grading, workspace
+from labkit.course import grading, judge, workspace
+from labkit.runtime import sandbox
 
 CONFIG = "autograder.json"
 RELEASE_PARTS = ["labkit", "tests", "pyproject.toml", "README.md", workspace.MARKER_FILE]
 
 SETUP_SH = """#!/usr/bin/env bash
-# Gradescope runs this once, as root, when it builds the autograder image.
+# Gradescope runs this once, as root, when it builds the autograder image. The course needs
+# Python >= 3.11 (its pins have no wheels for 3.10, Ubuntu 22.04's python3): when the image's
+# python3 is older, install the distribution's python3.11 and use that.
+# LABKIT_SETUP_CHECK=1: only say which Python would be used (tests/test_autograder.py).
 set -euo pipefail
-cd /autograder/source
-if ! command -v python3 >/dev/null || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-    apt-get update && apt-get install -y python3 python3-venv python3-pip
+cd "${AUTOGRADER_ROOT:-/autograder}/source"
+PY=python3
+if ! command -v python3 >/dev/null || ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    PY=python3.11
+    apt-get update && apt-get install -y python3.11 python3.11-venv
+elif ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    apt-get update && apt-get install -y "python3.$(python3 -c 'import sys; print(sys.version_info[1])')-venv"
 fi
-python3 -m venv /autograder/venv
+"$PY" -c 'import sys; assert sys.version_info >= (3, 11), sys.version'
+if [ "${LABKIT_SETUP_CHECK:-}" = 1 ]; then
+    echo "python: $(command -v "$PY") $("$PY" -c 'import platform; print(platform.python_version())')"
+    exit 0
+fi
+"$PY" -m venv /autograder/venv
 # The CPU build of torch: the default one on Linux pulls several GB of CUDA libraries.
 /autograder/venv/bin/pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 /autograder/venv/bin/pip install -e /autograder/source
@@ -81,7 +102,7 @@ def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 
                 info.external_attr = 0o755 << 16  # executable once unpacked
                 bundle.writestr(info, text)
             chapters = list(dict.fromkeys(f.stem.removeprefix("test_") for f in files))  # hidden files too
-            config = dict(chapters=chapters, timeout=timeout)
+            config = dict(chapters=chapters, timeout=timeout, tests=_graded_tests(release, chapters))
             bundle.writestr(CONFIG, json.dumps(config, indent=1) + "\n")
             for part in RELEASE_PARTS:
                 path = release / part
@@ -89,6 +110,21 @@ def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 
                     if file.is_file() and "__pycache__" not in file.parts:
                         bundle.write(file, file.relative_to(release).as_posix())
     return output
+
+
+def _graded_tests(release: Path, chapters: list[str]) -> list[dict]:
+    """The bundle's graded tests (name, task, points), collected once in the release (nothing runs)."""
+    listing = release / "graded-tests.json"
+    env = dict(os.environ, PYTHONPATH=str(release), **{judge.COLLECT_ENV: str(listing)})
+    files = grading.grading_files(chapters, release)
+    subprocess.run([sys.executable, "-m", "pytest", *map(str, files), "-p", "no:cacheprovider", "-o", "addopts=",
+                    f"--rootdir={release}", "-p", "labkit.course.judge", "-q", "-p", "no:xdist"],
+                   cwd=release, env=env, capture_output=True, check=False)
+    if not listing.exists():
+        raise RuntimeError("could not list the bundle's graded tests")
+    tests = json.loads(listing.read_text())
+    listing.unlink()
+    return tests
 
 
 # ----------------------------------------------------------------------------- running
@@ -117,12 +153,30 @@ def grade_submission(source: Path, submission: Path, results: Path) -> dict:
                 f"({', '.join(m + '.py' for m in config['chapters'])}).")))
         for name, path in submitted.items():
             shutil.copy(path, tree / "labkit" / name)
+        broken = judge.check_submission(tree / "labkit", [Path(n).stem for n in submitted])
+        flagged = [f"policy: {v}" for vs in broken.values() for v in vs]
         env = dict(os.environ, **{grading.TIMEOUT_ENV: str(config["timeout"])})
-        files = grading.grading_files(config["chapters"], tree)
-        records, log = grading.run_tests(files, tree, progress=False, env=env)
+        isolated = judge.isolation(Path(tmp))  # as root: the ranks run as another user
+        env.update(isolated)
+        os.environ.update(isolated, **({judge.JUDGE_ENV: "1"} if isolated else {}))  # run_tests kills that user's processes
+        records = judge.policy_records(config.get("tests", []), broken)  # scored without running
+        done = {r["task"].split(".")[0] for r in records}
+        left = [m for m in config["chapters"] if m not in done]
+        if left:
+            records += grading.run_tests(grading.grading_files(left, tree), tree, progress=False, env=env,
+                                         judge=True)[0]
     out = grading.gradescope_results(records)
+    flagged += [f"runtime: {t['name']}: " + next(line for line in t["output"].splitlines() if sandbox.FLAG in line)
+                for t in out["tests"] if sandbox.FLAG in t["output"]]
     out["output"] = (f"Graded {', '.join(sorted(submitted))} on chapters {', '.join(config['chapters'])}: "
                      f"{out['score']:g}/{out['max_score']:g}.")
+    if broken:
+        out["output"] = (f"Not graded: {', '.join(f'{m}.py' for m in broken)} "
+                         f"{'break' if len(broken) > 1 else 'breaks'} the policy for exercise modules "
+                         "(labkit/course/policy.py says what an exercise may use), so none of their tasks "
+                         "earn points:\n" + "\n".join(f"  {v}" for vs in broken.values() for v in vs)
+                         + "\n\n" + out["output"])
+    out["extra_data"] = dict(flagged=flagged)
     return _write(results, out)
 
 

@@ -53,7 +53,12 @@ def cmd_grade(args, root: Path) -> int:
     print(f"  tests: {', '.join(str(f.relative_to(root)) for f in files)}"
           + (f"; tasks: {', '.join(tasks)}" if tasks else ""), flush=True)
     extra = ["-k", args.k] if args.k else []
-    records, output = grading.run_tests(files, root, extra, tasks, verbose=args.verbose)
+    if args.judge:  # as the autograder grades: the policy first, nothing of the submission in this process
+        from labkit.course import judge
+        broken = judge.check_submission(root / "labkit", chapters or None)
+        for module, found in broken.items():
+            print(f"POLICY {module}.py: none of its tasks earn points:\n" + "\n".join(f"  {v}" for v in found))
+    records, output = grading.run_tests(files, root, extra, tasks, verbose=args.verbose, judge=args.judge)
     if not records and output:  # nothing graded: say why (an import error, a broken environment)
         print("\nno graded test ran; pytest said:\n" + "\n".join(output.rstrip().splitlines()[-25:]))
     if any(r["outcome"] != "passed" for r in records) and not args.verbose:
@@ -226,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--json", metavar="PATH", help="also write Gradescope's results.json here")
     grade.add_argument("-k", metavar="EXPR", help="only tests matching this pytest -k expression")
     grade.add_argument("--verbose", "-v", action="store_true", help="pytest's full output and tracebacks")
+    grade.add_argument("--judge", action="store_true",
+                       help="grade as the autograder does: the submission policy first, no submitted module "
+                            "in the grading process, results as plain data (labkit.course.judge)")
     grade.set_defaults(run=cmd_grade)
 
     cov = sub.add_parser("coverage", help="lines and branches of each task's solution regions its own tests run")

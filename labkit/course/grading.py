@@ -43,6 +43,7 @@ from labkit.course.chapters import CHAPTERS, chapter_module, chapter_names  # no
 HIDDEN_DIR = "hidden"  # tests/grading/hidden/: graded, left out of learner workspaces
 OUTPUT_LIMIT = 4000    # characters of failure text kept per test in results.json
 TIMEOUT_ENV = "LABKIT_GRADE_TIMEOUT"  # caps every graded launch's timeout (autograders set it)
+REPORT_ENV = "LABKIT_GRADE_REPORT"    # where the report goes: the environment, not a command line in /proc
 
 
 def task(task_id: str, points: float = 1):
@@ -147,6 +148,7 @@ def pytest_configure(config):
     and in every rank launched from here, before any test module imports an exercise."""
     import labkit
     from labkit.course import contracts
+    config._labkit_report = config.getoption("--grade-report") or os.environ.pop(REPORT_ENV, None)
     root = Path(str(config.rootpath)).resolve()
     imported = Path(labkit.__file__).resolve().parent.parent
     if (root / "labkit").is_dir() and imported != root:
@@ -355,7 +357,7 @@ def _progress(config, record: dict) -> None:
 
 
 def pytest_sessionfinish(session):
-    path = session.config.getoption("--grade-report")
+    path = getattr(session.config, "_labkit_report", None)
     if path:
         Path(path).write_text(json.dumps(list(_records.values()), indent=1))
 
@@ -458,15 +460,20 @@ def split_selection(names: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run_tests(files: list[Path], root: Path, extra_args=(), tasks=(), verbose: bool = False,
-              progress: bool = True, env=None) -> tuple[list[dict], str]:
+              progress: bool = True, env=None, judge: bool = False) -> tuple[list[dict], str]:
     """Run the graded tests of ``root`` in a fresh pytest process that imports ``root``'s
-    labkit; return (one record per test, pytest's own output unless it was streamed)."""
+    labkit; return (one record per test, pytest's own output unless it was streamed).
+    ``judge``: the submission never runs in that process (``labkit.course.judge``)."""
     with tempfile.TemporaryDirectory(prefix="labkit-grade-") as tmp:
         report, log = Path(tmp) / "report.json", Path(tmp) / "pytest.log"
         env = dict(env or os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+        env[REPORT_ENV] = str(report)
+        if judge:
+            env["LABKIT_JUDGE"] = "1"
+            extra_args = ["-p", "labkit.course.judge", *extra_args]
         cmd = [sys.executable, "-m", "pytest", *map(str, files), "-p", "no:cacheprovider",
-               "-o", "addopts=", f"--rootdir={root}", f"--grade-report={report}",
+               "-o", "addopts=", f"--rootdir={root}",
                *[f"--grade-task={t}" for t in tasks], *extra_args]
         if verbose:
             cmd += ["-v", "--tb=long", "-rN"]
@@ -487,6 +494,9 @@ def run_tests(files: list[Path], root: Path, extra_args=(), tasks=(), verbose: b
                 for fd in fds:
                     os.close(fd)
             output = log.read_text(errors="replace")
+        if judge:  # nothing of the submission may be running when the report is read
+            from labkit.runtime import sandbox
+            sandbox.kill_student()
         if not report.exists():
             raise RuntimeError(f"pytest exited with status {proc.returncode} before grading "
                                f"anything:\n{output[-3000:]}")

@@ -11,6 +11,11 @@ DDP, all-to-all in Ulysses) stay allowed.
 
 A name is forbidden when it equals an entry or lies below it (``torch.distributed.tensor``
 forbids ``torch.distributed.tensor.parallel.ColwiseParallel``).
+
+``check`` then applies the submission policy (``labkit.course.policy``: the imports a chapter
+allows, no dynamic access that would defeat this table) to the module and to every exercise
+module it imports; the policy also resolves names through the real modules, so a built-in
+reached as ``labkit.models.torch.distributed.all_reduce`` is found too.
 """
 
 from __future__ import annotations
@@ -83,7 +88,9 @@ def forbidden_uses(module: str, source: str, filename: str = "") -> list[str]:
 
 
 def check(task_id: str, source: str) -> None:
-    """Raise AssertionError naming every forbidden name the task's module uses."""
+    """Raise AssertionError naming every forbidden name the task's module uses, and every
+    breach of the submission policy (``labkit.course.policy``) in it or in an exercise module it
+    imports: a module that breaks the policy earns none of its tasks' points."""
     module = task_id.split(".")[0]
     uses = forbidden_uses(module, source)
     if uses:
@@ -91,6 +98,10 @@ def check(task_id: str, source: str) -> None:
         raise AssertionError(
             f"{task_id}: labkit/{module}.py uses PyTorch's own implementation of what it is asked to "
             f"build ({why}): " + "; ".join(uses) + ". Build it from the chapter's parts instead.")
+    from labkit.course import policy, workspace
+    broken = policy.check_tree(module, source, workspace.package_dir())
+    if broken:
+        raise AssertionError(f"{task_id}: not graded: {policy.POLICY_BROKEN} " + "; ".join(map(str, broken)))
 
 
 def check_file(task_id: str, path: Path) -> None:

@@ -70,7 +70,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.runtime import deadlock
+from labkit.runtime import deadlock, sandbox
 
 BACKENDS = ("auto", "gloo", "nccl")
 STACK_DUMP_WAIT = 2.0   # seconds we give the ranks to write their stacks after SIGUSR1
@@ -253,12 +253,13 @@ def restart_count() -> int:
 def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, detect_deadlock: bool,
                  restart: int, rpc_options: dict | None = None) -> list:
     with tempfile.TemporaryDirectory(prefix="labkit-") as rundir:
+        sandbox.hand_over(rundir)  # judge as root: the ranks (another user) write their files here
         with open(os.path.join(rundir, "payload.pkl"), "wb") as f:
             f.write(payload)
         # The caller holds the store's socket, so the port is ours until the launch ends.
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=_as_timedelta(timeout + 60))
-        ranks, interrupted = [], False
+        ranks, interrupted, server = [], False, None
         try:
             server = _RankServer.get()
             for rank in range(world_size):
@@ -273,6 +274,8 @@ def _launch_once(payload: bytes, world_size: int, backend: str, timeout: float, 
             _stop(ranks)
             if interrupted:   # Ctrl-C: nothing of ours may outlive the caller, not even the server
                 _RankServer.shutdown()
+            # judge: nothing of the submission outlives its launch
+            sandbox.after_launch({server.proc.pid} if server is not None else set())
             del store
 
 
@@ -281,6 +284,7 @@ class _Rank:
     rank: int
     pid: int
     rundir: str
+    nonce: str = ""        # under the judge: the token its result must carry (sandbox)
     read_offset: int = 0   # how much of the rank's output file has been relayed
     pending: bytes = b""   # a partial output line not yet relayed
 
@@ -300,8 +304,9 @@ class _Rank:
             return None
 
     def finished(self) -> bool:
-        """The rank returned and waits to be stopped (see worker._wait_for_peers)."""
-        return os.path.exists(self.path("result", "pkl"))
+        """The rank returned and waits to be stopped (see worker._wait_for_peers); under the
+        judge its result is only believed once it loads with the launch's nonce (``sandbox``)."""
+        return os.path.exists(self.path("result", "pt" if sandbox.judging() else "pkl"))
 
 
 class _RankServer:
@@ -385,13 +390,13 @@ def _start_rank(server, rank, world_size, backend, port, rundir, timeout, restar
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=_caller_path(),
         LABKIT_RESTART_COUNT=str(restart), TORCHELASTIC_RESTART_COUNT=str(restart),
     )
-    rank_info = _Rank(rank, -1, rundir)
+    rank_info = _Rank(rank, -1, rundir, sandbox.new_nonce())
     spec = dict(
         rank=rank, world_size=world_size, backend=backend, timeout=timeout, rundir=rundir,
         env=env, sys_path=[p or os.getcwd() for p in sys.path], cwd=os.getcwd(),
         threads=max(1, (os.cpu_count() or 1) // world_size), server_pid=server.proc.pid,
         out_file=rank_info.path("out", "log"), exit_file=rank_info.path("exit", "txt"),
-        rpc=rpc_options,
+        rpc=rpc_options, nonce=rank_info.nonce,
     )
     spec_path = rank_info.path("spec", "json")
     with open(spec_path, "w") as f:
@@ -435,6 +440,8 @@ def _supervise(server: _RankServer, ranks: list[_Rank], timeout: float, detector
         _relay(r, final=True)
     if error is not None:
         raise error
+    if sandbox.judging():
+        return [sandbox.load_result(r.path("result", "pt"), r.rank, r.nonce) for r in ranks]
     return [_load(r.path("result", "pkl")) for r in ranks]
 
 
@@ -471,8 +478,9 @@ def _first_failure(ranks: list[_Rank], failed: list[_Rank]) -> WorkerError:
     """The rank whose exception came first is the cause; later ones are knock-on errors."""
     reports = []
     for r in ranks:
-        if os.path.exists(r.path("error", "pkl")):
-            reports.append(_load(r.path("error", "pkl")))
+        report = sandbox.read_error(r.path("error", "json"), r.rank)  # JSON: never unpickled
+        if report is not None:
+            reports.append(report)
         elif r in failed:  # died without reporting: a signal, os._exit, a crash in C
             code = r.poll()
             why = (f"was killed by signal {-code} ({signal.Signals(-code).name})" if code < 0

@@ -3,7 +3,8 @@
 The rank server (``rankserver``) forks this code with a spec file describing the rank: its
 number, the run directory, the caller's environment, ``sys.path`` and working directory.
 The rank writes its output to ``out_<rank>.log`` (the caller relays it) and its outcome to
-``result_<rank>.pkl`` or ``error_<rank>.pkl``.
+``result_<rank>.pkl`` (``result_<rank>.pt`` under the judge: ``torch.save`` of plain data and
+the launch's nonce, see ``labkit.runtime.sandbox``) or ``error_<rank>.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.runtime import contracts, deadlock, launcher
+from labkit.runtime import contracts, deadlock, launcher, sandbox
 
 OVERRIDES_ENV = "LABKIT_MODULE_OVERRIDES"  # JSON {exercise module: source file} (mutation testing)
 COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
@@ -50,6 +51,9 @@ def run_forked(spec_path: str) -> None:
     os.setsid()  # our own process group: the caller stops us and our children with killpg
     with open(spec_path) as f:
         spec = json.load(f)
+    if spec.get("nonce"):  # the judge's: read once, then gone before any submitted code runs
+        os.unlink(spec_path)
+        sandbox.become_student()
     die_with_parent(spec["server_pid"])
     _redirect_output(spec["out_file"])
     os.environ.clear()
@@ -97,13 +101,16 @@ def run_rank(spec: dict) -> None:
             launcher.stop_rpc(graceful=True)
         _save_coverage(cov)
         _flush()
-        _write_atomically(os.path.join(rundir, f"result_{rank}.pkl"), result)
+        if spec.get("nonce"):
+            sandbox.save_result(os.path.join(rundir, f"result_{rank}.pt"), spec["nonce"], result)
+        else:
+            _write_atomically(os.path.join(rundir, f"result_{rank}.pkl"), result)
     except BaseException as exc:  # noqa: BLE001 - every failure is reported to the caller
         report = dict(rank=rank, time=time.time(), exc_type=type(exc).__name__,
                       message=str(exc), traceback=_user_traceback(exc))
         _save_coverage(cov)
         _flush()
-        _write_atomically(os.path.join(rundir, f"error_{rank}.pkl"), report)
+        sandbox.write_json(os.path.join(rundir, f"error_{rank}.json"), report)  # plain data, never a pickle
         # Skip interpreter teardown (and, in an RPC job, the agent's shutdown): a peer may be
         # blocked talking to us, and our closing sockets tell it at once.
         os._exit(1)

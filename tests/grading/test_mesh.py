@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -283,6 +284,9 @@ def train_on_rank(dp: int, tp: int, pp: int):
     layout = Layout(dp=dp, tp=tp, pp=pp, zero=3 if pp == 1 else 0)
     stage = grid.coords(rank)["pp"]
     plan = parameters_on_rank(ModelShape.of(config(tie)), layout, stage)
+    # Plain data back to the judge (labkit.runtime.sandbox): never an exercise module's object.
+    trained = SimpleNamespace(losses=list(trained.losses), param_bytes=trained.param_bytes,
+                              grad_bytes=trained.grad_bytes, optimizer_bytes=trained.optimizer_bytes)
     return trained, plan
 
 

@@ -832,9 +832,14 @@ def test_step_tp_traffic_equals_traced_sequence_parallel_block():
     forward, and its collectives, again, as Megatron-LM does). On a link of alpha 0 and 1 byte/s, step_time's tp_comm for a 1-layer
     model of the block's shape is the bytes each rank sends (scaled from fp32 to the model's
     16-bit activations): every all-gather and reduce-scatter moves the B x T x H activation."""
-    from labkit.perf import Layout, Model, step_time
     from labkit.course.grading import run_graded
     traced = run_graded("perf.step", _sp_block_traffic_on_rank, 2)
+    # The learner's step_time runs in a rank too: the judge's process imports no submission.
+    run_graded("perf.step", _tp_comm_matches_traced, 1, traced)
+
+
+def _tp_comm_matches_traced(traced) -> None:
+    from labkit.perf import Layout, Model, step_time
     model = Model(layers=1, hidden=_SP_H, heads=_SP_HEADS, vocab=32, seq=_SP_T)
     cluster = _cluster(nvlink=(0.0, 1.0))
     activation = _SP_B * _SP_T * _SP_H * 4                          # fp32 bytes of the whole sequence
