@@ -37,7 +37,7 @@ import traceback
 import zipfile
 from pathlib import Path
 
-from labkit.course import grading, judge, workspace
+from labkit.course import catalog, grading, judge, workspace
 from labkit.runtime import sandbox
 
 CONFIG = "autograder.json"
@@ -91,6 +91,7 @@ def make_bundle(output: Path, root: Path, chapters: list[str], timeout: float = 
     with tempfile.TemporaryDirectory(prefix="labkit-autograder-") as tmp:
         release = Path(tmp) / "release"
         workspace.make_workspace(release, root=root)
+        catalog.write_uses(root, release)   # the labs' uses of other chapters, as a learner workspace has them
         hidden = root / "tests" / "grading" / grading.HIDDEN_DIR  # graded, never in a student release
         if hidden.is_dir():
             shutil.copytree(hidden, release / "tests" / "grading" / grading.HIDDEN_DIR,

@@ -163,6 +163,8 @@ def cmd_tasks(args, root: Path) -> int:
 def cmd_workspace(args, root: Path) -> int:
     try:
         regions = workspace.make_workspace(Path(args.dest), root=root, force=args.force)
+        from labkit.course import catalog
+        catalog.write_uses(root, Path(args.dest))   # what each lab runs of other chapters, read before the stubs
     except OSError as error:   # a folder it may not create, a disk full, a file in the way
         where = f" ({error.filename})" if error.filename else ""
         raise ValueError(f"cannot write the workspace at {args.dest}: {error.strerror or error}{where}") from None

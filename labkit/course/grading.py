@@ -254,19 +254,19 @@ def labkit_exercise(request):
     if marker is None:
         yield None
         return
-    from labkit.course import rules
+    from labkit.course import policy
     root = Path(str(request.config.rootpath))
     if mutant is None:
         module = root / "labkit" / f"{marker.args[0].split('.')[0]}.py"
         if module.exists():
-            rules.check(marker.args[0], module.read_text())
+            policy.check_task(marker.args[0], module.read_text())
         yield None
         return
     from labkit.course import mutants
     fates = request.config._labkit_fates
     if fates.get(mutant.id, {}).get("killed"):
         pytest.skip(f"mutant {mutant.id} killed already")
-    rules.check(marker.args[0], mutant.source(root))
+    policy.check_task(marker.args[0], mutant.source(root))
     path = mutants.write_source(mutant, root)
     overrides = {mutant.module: str(path)}
     saved = mutants.install_overrides(overrides)

@@ -1,6 +1,6 @@
 """What a submitted exercise module may contain: a static policy, checked before anything runs.
 
-The judge (``labkit.course.judge``) and every graded test (through ``rules.check``) read each
+The judge (``labkit.course.judge``) and every graded test (through ``check_task``) read each
 exercise module's source and refuse it, naming ``file:line``, when it
 
 * imports anything outside its chapter's allow-list: torch (minus the internals below),
@@ -580,3 +580,15 @@ def _source_aliases(source: str) -> dict[str, str]:
             for a in node.names:
                 found[a.asname or a.name] = f"{node.module}.{a.name}"
     return found
+
+
+def check_task(task_id: str, source: str) -> None:
+    """What every graded test runs first: no PyTorch implementation of the technique in the
+    task's module (``rules.check``), then every breach of this policy in it or in an exercise
+    module it imports: a module that breaks the policy earns none of its tasks' points."""
+    from labkit.course import rules, workspace
+    rules.check(task_id, source)
+    module = task_id.split(".")[0]
+    broken = check_tree(module, source, workspace.package_dir())
+    if broken:
+        raise AssertionError(f"{task_id}: not graded: {POLICY_BROKEN} " + "; ".join(map(str, broken)))

@@ -88,9 +88,8 @@ def forbidden_uses(module: str, source: str, filename: str = "") -> list[str]:
 
 
 def check(task_id: str, source: str) -> None:
-    """Raise AssertionError naming every forbidden name the task's module uses, and every
-    breach of the submission policy (``labkit.course.policy``) in it or in an exercise module it
-    imports: a module that breaks the policy earns none of its tasks' points."""
+    """Raise AssertionError naming every forbidden name the task's module uses (the policy's
+    checks come on top: ``labkit.course.policy.check_task``, which every graded test runs)."""
     module = task_id.split(".")[0]
     uses = forbidden_uses(module, source)
     if uses:
@@ -98,10 +97,6 @@ def check(task_id: str, source: str) -> None:
         raise AssertionError(
             f"{task_id}: labkit/{module}.py uses PyTorch's own implementation of what it is asked to "
             f"build ({why}): " + "; ".join(uses) + ". Build it from the chapter's parts instead.")
-    from labkit.course import policy, workspace
-    broken = policy.check_tree(module, source, workspace.package_dir())
-    if broken:
-        raise AssertionError(f"{task_id}: not graded: {policy.POLICY_BROKEN} " + "; ".join(map(str, broken)))
 
 
 def check_file(task_id: str, path: Path) -> None:

@@ -194,8 +194,6 @@ def make_workspace(dest: Path, root: Path | None = None, force: bool = False) ->
     for notebook in (dest / "labs").glob("*.ipynb"):
         clear_outputs(notebook)  # the lab's results come from the learner's own code
     (dest / TORCH_FILE).write_text(torch_requirement(installed_torch()))
-    from labkit.course import catalog
-    catalog.write_uses(root, dest)   # what each lab runs of other chapters, read before the stubs
     hints = tasks(root / "labkit")
     (dest / MARKER_FILE).write_text("".join(f"{t}\t{hints[t]}\n" for t in sorted(hints)))
     return regions
