@@ -982,8 +982,11 @@ DROPOUTS = (0.0, 0.0, 0.1, 0.3, 0.5)
 def draw_model(rng: random.Random, most_layers: int = 5) -> dict:
     a = rng.choice((1, 2, 4))
     s = rng.randint(1, 8)
+    batch, seq2, batch2 = rng.randint(1, 3), rng.randint(1, s), rng.randint(1, 3)
+    if (batch2, seq2) == (batch, s):  # the second step always another shape
+        batch2 = batch % 3 + 1
     return dict(layers=rng.randint(1, most_layers), heads=a, width=a * rng.choice((2, 4)), seq=s,
-                batch=rng.randint(1, 3), seq2=rng.randint(1, s), batch2=rng.randint(1, 3),
+                batch=batch, seq2=seq2, batch2=batch2,
                 dropout=rng.choice(DROPOUTS), scale=rng.choice((1.0, -0.5, 2.5, rng.uniform(-3, 3))))
 
 
@@ -995,21 +998,24 @@ def draw_cases(task_id: str, world_size: int, apply_cases: bool = False) -> list
         case = draw_model(rng, most_layers=3 if task_id == "recompute.offload" else 6)
         case.update(k=rng.randint(1, case["layers"] + 2), number=i,
                     replay=configs.replay(f"{task_id}, world size {world_size}, drawn case {i}"))
+        if i < 2:  # every run reaches both corners: dropout off in case 0, on in case 1
+            case["dropout"] = 0.0 if i == 0 else rng.choice(DROPOUTS[2:])
         if apply_cases:
-            case["apply"] = draw_apply(rng)
+            case["apply"] = draw_apply(rng, every_kind=i == 0, lone_tuple=i == 1)
         cases.append(case)
     return cases
 
 
-def draw_apply(rng: random.Random) -> dict:
-    """A drawn argument list for Checkpoint.apply: (name, kind) in a drawn order."""
+def draw_apply(rng: random.Random, every_kind: bool = False, lone_tuple: bool = False) -> dict:
+    """A drawn argument list for Checkpoint.apply: (name, kind) in a drawn order. ``every_kind``
+    keeps every kind of argument (int64 ids, an int, floats); ``lone_tuple``: fn returns a 1-tuple."""
     args = [("x", "grad"), ("y", rng.choice(("grad", "nograd"))), ("mask", "nograd"), ("ids", "int"),
             ("scale", "float"), ("reps", "intarg"), ("p", "float")]
-    args = [arg for arg in args if arg[0] in ("x", "p") or rng.random() < 0.7]
+    args = [arg for arg in args if every_kind or arg[0] in ("x", "p") or rng.random() < 0.7]
     rng.shuffle(args)
-    outputs = rng.randint(1, 3)
+    outputs = 1 if lone_tuple else rng.randint(1, 3)
     used = sorted(rng.sample(range(outputs), rng.randint(1, outputs)))
-    return dict(args=args, outputs=outputs, used=used, tuple_out=outputs > 1 or rng.random() < 0.5,
+    return dict(args=args, outputs=outputs, used=used, tuple_out=outputs > 1 or lone_tuple or rng.random() < 0.5,
                 p=rng.choice((0.0, 0.3)), scale=rng.uniform(-2, 2), reps=rng.randint(0, 2),
                 b=rng.randint(1, 3), t=rng.randint(1, 5), b2=rng.randint(1, 3), t2=rng.randint(1, 5))
 
