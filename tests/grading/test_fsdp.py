@@ -734,6 +734,7 @@ def drawn_on_rank(seed: int, draws: int) -> None:
             full = full_state_dict(model)
             for name, value in ref.state_dict().items():
                 assert_close(full[name], value, f"{what}, after step {step}: {name}", **tol)
+    drawn_mixed_precision(seed, draws)
     # One unit, two dtypes, no mp_policy: refused before any communication.
     mixed = DrawnNet(dict(seed=0, vocab=3, widths=[2, 3, 2], bias=[True], dtypes=[torch.float32], frozen=None))
     with CommTracer() as tracer:
@@ -744,6 +745,117 @@ def drawn_on_rank(seed: int, draws: int) -> None:
         else:
             raise AssertionError("fsdp.shard: fully_shard accepted one unit of float64 and float32 parameters")
     assert_ops(tracer, [], "fsdp.shard: fully_shard of mixed dtypes must refuse before communicating")
+
+
+class MixedNet(torch.nn.Module):
+    """An fp32 model for mixed precision (no dtype casts of its own: the policy sets them): token
+    ids -> embedding [V, d] -> Linear layers of drawn widths, one maybe frozen -> tied head."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        import torch.nn as nn
+        gen = torch.Generator().manual_seed(cfg["seed"])
+        widths = cfg["widths"]
+        with torch.random.fork_rng(devices=[]):
+            self.emb = nn.Embedding(cfg["vocab"], widths[0])
+            self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b, bias in zip(widths, widths[1:], cfg["bias"]))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(max(p.shape[-1], 1)))
+        if cfg["frozen"] is not None:
+            self.layers[cfg["frozen"]].requires_grad_(False)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.linear(h, self.emb.weight)
+
+
+def drawn_mixed_precision(seed: int, draws: int) -> None:
+    """Issue 39: ``mp_policy`` drawn (param_dtype bf16 or fp16 in turn, reduce_dtype None, float32 or
+    param_dtype) on drawn fp32 models (widths 1-9: uneven shards at 3 ranks; units drawn; a frozen
+    layer; the world or a subgroup), 2 SGD steps with a random incoming gradient, against the file's
+    single-process reference with the same casts (``emulated_mixed_precision``'s: parameters cast to
+    param_dtype for forward and backward, gradients cast back onto the fp32 masters) on the global
+    batch. Checked: the output in param_dtype, the all-gathers in param_dtype and the reduce-scatters
+    in reduce_dtype (traced), fp32 master shards and gradients, each shard gradient and the full
+    state after each step. Tolerance: labkit.check's rtol for param_dtype, atol that rtol x the
+    largest reference magnitude (each rank's share is rounded to param_dtype before the sum: the
+    error scales with the shares, not with a sum that may cancel)."""
+    from labkit.check import tolerance as check_tolerance
+    from labkit.fsdp import full_state_dict, fully_shard
+    from labkit.oracles import mixed_precision_policy
+    rng = random.Random(f"{seed}:mixed precision")
+    groups = [(None, list(range(dist.get_world_size())))] + subgroups()
+    start = rng.randrange(2)
+    for draw in range(draws):
+        param_dtype = (torch.bfloat16, torch.float16)[(draw + start) % 2]
+        reduce_dtype = rng.choice([None, torch.float32, param_dtype])
+        layers = rng.randint(1, 3)
+        widths = [rng.randint(1, 9) for _ in range(layers)]
+        cfg = dict(seed=rng.randrange(2**31), vocab=rng.randint(2, 11), widths=widths + [widths[0]],
+                   bias=[rng.random() < 0.6 for _ in range(layers)], frozen=rng.choice([None, *range(layers)]),
+                   units=[i for i in range(layers) if rng.random() < 0.5], partition=rng.randrange(len(groups)),
+                   rows=[rng.randint(1, 3) for _ in range(dist.get_world_size())], seq=rng.randint(1, 4),
+                   scale=rng.choice([0.25, 3.0]), data_seed=rng.randrange(2**31))
+        group, ranks = groups[cfg["partition"]]
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        what = (f"fsdp.backward: drawn mixed precision {draw} of seed {seed} (param_dtype {param_dtype}, reduce_dtype "
+                f"{reduce_dtype}, {cfg}), rank {dist.get_rank()} (rank {rank} of {n} in ranks {ranks})")
+        ref, model = MixedNet(cfg), MixedNet(cfg)
+        policy = mixed_precision_policy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for i in cfg["units"]:
+            fully_shard(model.layers[i], process_group=group, mp_policy=policy)
+        fully_shard(model, process_group=group, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        rtol = check_tolerance(param_dtype)[0]
+        gen = torch.Generator().manual_seed(cfg["data_seed"])
+        rows = [cfg["rows"][r] for r in range(n)]
+        start_row = sum(rows[:rank])
+        mine = slice(start_row, start_row + rows[rank])
+        for step in range(2):
+            ids = torch.randint(0, cfg["vocab"], (sum(rows), cfg["seq"]), generator=gen)
+            grad_out = torch.randn(sum(rows), cfg["seq"], cfg["vocab"], generator=gen) * cfg["scale"]
+            with CommTracer() as tracer:
+                out = model(ids[mine])
+                out.backward(grad_out[mine].to(param_dtype))
+            assert out.dtype == param_dtype, f"{what}, step {step}: output in {out.dtype}, want {param_dtype}"
+            gathers = {e.dtype for e in tracer.events if e.kind == "all_gather"}
+            scatters = {e.dtype for e in tracer.events if e.kind == "reduce_scatter"}
+            assert gathers <= {param_dtype} and scatters <= {reduce_dtype or param_dtype}, (
+                f"{what}, step {step}: all-gathers moved {sorted(map(str, gathers))} (want {param_dtype}), "
+                f"reduce-scatters {sorted(map(str, scatters))} (want {reduce_dtype or param_dtype})")
+            # the reference: the same casts, the whole group's batch, the mean over the ranks
+            names = dict(ref.named_parameters())
+            low = {name: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for name, p in names.items()}
+            ref_out = torch.func.functional_call(ref, low, (ids,))
+            ref_out.backward((grad_out / n).to(param_dtype))
+            for name, p in model.named_parameters():
+                expected = low[name].grad
+                assert p.dtype == torch.float32, f"{what}, step {step}: master shard of {name} is {p.dtype}, want float32"
+                if expected is None:
+                    assert p.grad is None, f"{what}, step {step}: {name} has a gradient; the reference has none"
+                    continue
+                assert p.grad is not None and p.grad.dtype == torch.float32, (
+                    f"{what}, step {step}: gradient of {name}'s shard is {None if p.grad is None else p.grad.dtype}, "
+                    "want float32 (on the master)")
+                names[name].grad = expected.float()
+                want = expected_shard(expected.float(), rank, n)
+                assert_close(p.grad, want, f"{what}, step {step}: gradient of {name}'s shard vs one process with the "
+                             "same casts", rtol=rtol, atol=rtol * max(float(expected.float().abs().max()), 1e-3))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad(set_to_none=True)
+            full = full_state_dict(model)
+            for name, value in ref.state_dict().items():
+                assert full[name].dtype == torch.float32, f"{what}, after step {step}: {name} is {full[name].dtype}"
+                assert_close(full[name], value, f"{what}, after step {step}: {name}",
+                             rtol=rtol, atol=rtol * max(float(value.abs().max()), 1e-3))
+            # from the same masters again: each step's gradients compared from equal weights (a
+            # param_dtype cast of masters that differ in the last bits may round the other way)
+            ref.load_state_dict({name: full[name] for name in ref.state_dict()})
 
 
 # ----------------------------------------------------------------------------- tests

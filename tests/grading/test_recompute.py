@@ -61,6 +61,7 @@ from labkit.course.grading import run_graded, task
 from labkit.memory import SavedBytes, SavedPeak
 from labkit.models import GPTConfig
 from labkit.oracles import builtin_checkpoint
+from tests.grading import configs
 
 DROPOUT, STEPS, STREAM_STEPS = 0.2, 5, 3
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
@@ -146,7 +147,7 @@ def assert_same_training(got, want, what):
 
 # ----------------------------------------------------------------------------- checkpoint
 
-def checkpoint_on_rank() -> None:
+def checkpoint_on_rank(cases=()) -> None:
     from labkit.recompute import checkpoint_every, memory_gpt
     rank = dist.get_rank()
     for bad in (0, -1):
@@ -200,6 +201,7 @@ def checkpoint_on_rank() -> None:
     checkpoint_autocast(rank)
     checkpoint_api(rank)
     checkpoint_memory(rank)
+    checkpoint_drawn(rank, cases)
 
 
 def checkpoint_autocast(rank) -> None:
@@ -381,7 +383,7 @@ class Stack(nn.Module):
         return x
 
 
-def segments_on_rank() -> None:
+def segments_on_rank(cases=()) -> None:
     from labkit.recompute import checkpoint_segments, memory_gpt
     rank = dist.get_rank()
     for bad in (0, -2):
@@ -458,11 +460,12 @@ def segments_on_rank() -> None:
     assert 4 in best and peaks[4] * 2 < peaks[1], (
         f"recompute.segments: rank {rank}: the least peak at k = {best}, want k = sqrt(16) = 4 among them (its "
         f"neighbours tie: a short last segment is rebuilt cheaply) and under half of k = 1's: {peaks}")
+    segments_drawn(rank, cases)
 
 
 # ----------------------------------------------------------------------------- selective
 
-def selective_on_rank() -> None:
+def selective_on_rank(cases=()) -> None:
     from labkit.recompute import memory_gpt
     rank = dist.get_rank()
     what = f"recompute.selective: rank {rank}"
@@ -496,6 +499,7 @@ def selective_on_rank() -> None:
             f"{what}, s={s} b={b} h={h} a={a}, 2 blocks: saved bytes measured {end_of_forward} B at the end of "
             f"forward (want 2 x {per_block}) and {peak.peak} B at the peak of backward (want at most "
             f"{2 * per_block + core}: one attention core rebuilt at a time)")
+    selective_drawn(rank, cases)
 
 
 # ----------------------------------------------------------------------------- offload
@@ -546,7 +550,7 @@ class WatchedPool:
         self.log, self.handed, self.copies = [], [], []
 
 
-def offload_on_rank() -> None:
+def offload_on_rank(cases=()) -> None:
     from labkit.recompute import OffloadPool, memory_gpt, offloaded_forward
     rank = dist.get_rank()
     what = f"recompute.offload: rank {rank}"
@@ -607,6 +611,7 @@ def offload_on_rank() -> None:
     losses = []
     got = train(model, rank, forward=forward, on_step=after_backward)
     assert_same_training(got, plain, what + f" vs no offloading (one pool over {STEPS} steps)")
+    offload_drawn(rank, cases)
 
 
 # ----------------------------------------------------------------------------- accumulate
@@ -958,28 +963,315 @@ def optimizer_offload_link(rank: int) -> None:
                     f"{where}: parameter {i} must stay on the device in {shapes[i][1]}, equal to its master cast")
 
 
+# ----------------------------------------------------------------------------- drawn configurations
+#
+# Issue 39, item 2: besides the fixed cases above, each launch of checkpoint, segments, selective and
+# offload runs K configurations drawn in the test process from the run's seed (tests/grading/configs.py:
+# printed, ``LABKIT_SEED=S`` replays, ``LABKIT_LONG=1`` draws more): the model's depth L, heads, width,
+# sequence length and batch (another shape at the second step: nothing kept from the first call), the
+# dropout probability (0 included: then nothing is drawn), k from 1 to L + 2 (k = 1, k = L, k > L and
+# k not dividing L all reachable), and a random scale of the loss (the incoming gradient is not 1). The
+# RNG is seeded once per case, so the global stream after each backward must equal the plain model's.
+# ``Checkpoint.apply`` alone gets drawn argument lists: float tensors with and without a gradient, int64
+# ids, float and int non-tensor arguments in a drawn order, 1 to 3 outputs (a lone tensor or a tuple),
+# some of them unused, random incoming gradients.
+
+DROPOUTS = (0.0, 0.0, 0.1, 0.3, 0.5)
+
+
+def draw_model(rng: random.Random, most_layers: int = 5) -> dict:
+    a = rng.choice((1, 2, 4))
+    s = rng.randint(1, 8)
+    batch, seq2, batch2 = rng.randint(1, 3), rng.randint(1, s), rng.randint(1, 3)
+    if (batch2, seq2) == (batch, s):  # the second step always another shape
+        batch2 = batch % 3 + 1
+    return dict(layers=rng.randint(1, most_layers), heads=a, width=a * rng.choice((2, 4)), seq=s,
+                batch=batch, seq2=seq2, batch2=batch2,
+                dropout=rng.choice(DROPOUTS), scale=rng.choice((1.0, -0.5, 2.5, rng.uniform(-3, 3))))
+
+
+def draw_cases(task_id: str, world_size: int, apply_cases: bool = False) -> list[dict]:
+    """K drawn configurations for one launch of ``task_id`` (the same on every rank)."""
+    rng = configs.rng(f"{task_id}:{world_size}")
+    cases = []
+    for i in range(configs.budget(ci=3, long=30)):
+        case = draw_model(rng, most_layers=3 if task_id == "recompute.offload" else 6)
+        case.update(k=rng.randint(1, case["layers"] + 2), number=i,
+                    replay=configs.replay(f"{task_id}, world size {world_size}, drawn case {i}"))
+        if i < 2:  # every run reaches both corners: dropout off in case 0, on in case 1
+            case["dropout"] = 0.0 if i == 0 else rng.choice(DROPOUTS[2:])
+        if apply_cases:
+            case["apply"] = draw_apply(rng, every_kind=i == 0, lone_tuple=i == 1)
+        cases.append(case)
+    return cases
+
+
+def draw_apply(rng: random.Random, every_kind: bool = False, lone_tuple: bool = False) -> dict:
+    """A drawn argument list for Checkpoint.apply: (name, kind) in a drawn order. ``every_kind``
+    keeps every kind of argument (int64 ids, an int, floats); ``lone_tuple``: fn returns a 1-tuple."""
+    args = [("x", "grad"), ("y", rng.choice(("grad", "nograd"))), ("mask", "nograd"), ("ids", "int"),
+            ("scale", "float"), ("reps", "intarg"), ("p", "float")]
+    args = [arg for arg in args if every_kind or arg[0] in ("x", "p") or rng.random() < 0.7]
+    rng.shuffle(args)
+    outputs = 1 if lone_tuple else rng.randint(1, 3)
+    used = sorted(rng.sample(range(outputs), rng.randint(1, outputs)))
+    return dict(args=args, outputs=outputs, used=used, tuple_out=outputs > 1 or lone_tuple or rng.random() < 0.5,
+                p=rng.choice((0.0, 0.3)), scale=rng.uniform(-2, 2), reps=rng.randint(0, 2),
+                b=rng.randint(1, 3), t=rng.randint(1, 5), b2=rng.randint(1, 3), t2=rng.randint(1, 5))
+
+
+def drawn_config(case: dict) -> GPTConfig:
+    return GPTConfig(vocab_size=32, block_size=case["seq"], n_layer=case["layers"], n_head=case["heads"],
+                     n_embd=case["width"])
+
+
+def drawn_what(task_id: str, rank: int, case: dict) -> str:
+    return (f"{task_id}: rank {rank}, drawn case {case['number']} (L={case['layers']} blocks, k={case['k']}, "
+            f"h={case['width']}, a={case['heads']}, [b, s] = [{case['batch']}, {case['seq']}] then "
+            f"[{case['batch2']}, {case['seq2']}], dropout {case['dropout']}, loss x {case['scale']:.3g}) "
+            f"{case['replay']}")
+
+
+def drawn_training(model, rank: int, case: dict, forward=None):
+    """2 AdamW steps, the RNG seeded once, shapes [b, s] then [b2, s2], backward of loss x scale:
+    (losses, grads per step, the global RNG state after each backward)."""
+    forward = forward or (lambda m, x, y: m(x, y)[1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(900 + 10 * case["number"] + rank)
+    losses, grads, states = [], [], []
+    for step, (b, s) in enumerate(((case["batch"], case["seq"]), (case["batch2"], case["seq2"]))):
+        x, y = tokens(rank, 40 + step, batch=b, seq=s)
+        loss = forward(model, x, y)
+        opt.zero_grad()
+        (loss * case["scale"]).backward()
+        states.append(torch.get_rng_state())
+        losses.append(loss.detach())
+        grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+        opt.step()
+    return losses, grads, states
+
+
+def assert_same_drawn(got, want, what) -> None:
+    for step in range(len(want[0])):
+        assert_close(got[0][step], want[0][step], f"{what}, step {step}: loss")
+        for i, (g, r) in enumerate(zip(got[1][step], want[1][step])):
+            assert (g is None) == (r is None), f"{what}, step {step}: parameter {i} has gradient {g}, want {r}"
+            if r is not None:
+                assert_close(g, r, f"{what}, step {step}: gradient of parameter {i}")
+        assert torch.equal(got[2][step], want[2][step]), (
+            f"{what}, step {step}: the global RNG stream after backward is not where the plain model leaves it "
+            "(the recompute must redraw the forward's masks on a fork of the stream)")
+
+
+def checkpoint_drawn(rank: int, cases: list[dict]) -> None:
+    from labkit.recompute import checkpoint_every, memory_gpt
+    for case in cases:
+        what = drawn_what("recompute.checkpoint", rank, case)
+        config, L, k = drawn_config(case), case["layers"], case["k"]
+        plain = drawn_training(memory_gpt(config, case["dropout"], seed=rank).double(), rank, case)
+        model = memory_gpt(config, case["dropout"], seed=rank).double()
+        want = [i for i in range(L) if i % k == 0]
+        got = checkpoint_every(model, k)
+        assert list(got) == want, f"{what}: wraps blocks {list(got)}, want {want} (0, k, 2k, ...)"
+        assert_same_drawn(drawn_training(model, rank, case), plain, what + " vs no checkpointing")
+        apply_drawn(rank, case)
+
+
+def apply_drawn(rank: int, case: dict) -> None:
+    """Checkpoint.apply(fn, *drawn args) against fn itself, twice (the second call other shapes)."""
+    import torch.nn.functional as F
+    from labkit.recompute import Checkpoint
+    spec = case["apply"]
+    names = [name for name, _ in spec["args"]]
+    gen = torch.Generator().manual_seed(7000 + 10 * case["number"] + rank)
+    lin, emb = nn.Linear(6, 6).double(), nn.Embedding(11, 6).double()
+    with torch.no_grad():
+        for param in (*lin.parameters(), emb.weight):
+            param.copy_(torch.randn(param.shape, dtype=torch.float64, generator=gen))
+
+    def fn(*args):
+        got = dict(zip(names, args))
+        h = lin(got["x"])
+        if "ids" in got:
+            h = h + emb(got["ids"])
+        h = F.dropout(h, got["p"]) * got.get("scale", 1.0)
+        if "mask" in got:
+            h = h * got["mask"]
+        for _ in range(got.get("reps", 1)):
+            h = h.tanh() + (got["y"] if "y" in got else 0)
+        outs = (h, h * h.sum(-1, keepdim=True), F.dropout(h, got["p"]).sum(-1))[:spec["outputs"]]
+        return outs if spec["tuple_out"] else outs[0]
+
+    kinds = dict(spec["args"])
+    for call, (b, t) in enumerate(((spec["b"], spec["t"]), (spec["b2"], spec["t2"]))):
+        values = {"x": torch.randn(b, t, 6, dtype=torch.float64, generator=gen),
+                  "y": torch.randn(b, t, 6, dtype=torch.float64, generator=gen),
+                  "mask": (torch.rand(b, t, 6, generator=gen) > 0.3).double(),
+                  "ids": torch.randint(0, 11, (b, t), generator=gen),
+                  "scale": spec["scale"], "reps": spec["reps"], "p": spec["p"]}
+        incoming = [torch.randn(b, t, 6, dtype=torch.float64, generator=gen) for _ in range(2)] + [
+            torch.randn(b, t, dtype=torch.float64, generator=gen)]
+        results = []
+        for run in (fn, lambda *args: Checkpoint.apply(fn, *args)):
+            lin.zero_grad()
+            emb.zero_grad()
+            args = [values[name].clone().requires_grad_(kinds[name] == "grad")
+                    if isinstance(values[name], torch.Tensor) else values[name] for name in names]
+            torch.manual_seed(4000 + call + rank)
+            outs = run(*args)
+            shape_of_result = type(outs).__name__
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward([outs[i] for i in spec["used"]], [incoming[i] for i in spec["used"]])
+            grads = [a.grad for a in args if isinstance(a, torch.Tensor)]
+            results.append(([o.detach() for o in outs], grads, [lin.weight.grad, lin.bias.grad, emb.weight.grad],
+                             torch.get_rng_state(), shape_of_result))
+        what = (f"recompute.checkpoint: rank {rank}, drawn Checkpoint.apply(fn, {', '.join(f'{n} ({kinds[n]})' for n in names)}) "
+                f"on [{b}, {t}] (call {call + 1}), {spec['outputs']} output(s) ({'tuple' if spec['tuple_out'] else 'tensor'}), "
+                f"backward of outputs {spec['used']} with random incoming gradients, dropout {spec['p']} {case['replay']}")
+        (want_outs, want_grads, want_params, want_rng, want_kind), (outs, grads, params, rng_state, kind) = results
+        assert kind == want_kind and len(outs) == len(want_outs), (
+            f"{what}: returns a {kind} of {len(outs)} output(s), fn a {want_kind} of {len(want_outs)}")
+        for i, (o, w) in enumerate(zip(outs, want_outs)):
+            assert_close(o, w, f"{what}: output {i}")
+        tensor_names = [n for n in names if isinstance(values[n], torch.Tensor)]
+        for name, g, w in zip(tensor_names, grads, want_grads):
+            if w is None:
+                assert g is None, f"{what}: {name} ({kinds[name]}) got a gradient"
+            else:
+                assert g is not None, f"{what}: {name}.grad is None"
+                assert_close(g, w, f"{what}: {name}.grad vs fn without checkpointing")
+        for name, g, w in zip(("lin.weight", "lin.bias", "emb.weight"), params, want_params):
+            assert (g is None) == (w is None), f"{what}: {name}.grad is {g}, want {w}"
+            if w is not None:
+                assert_close(g, w, f"{what}: {name}.grad vs fn without checkpointing")
+        assert torch.equal(rng_state, want_rng), f"{what}: the global RNG stream is not where fn leaves it"
+
+
+def segments_drawn(rank: int, cases: list[dict]) -> None:
+    from labkit.recompute import checkpoint_segments, memory_gpt
+    for case in cases:
+        what = drawn_what("recompute.segments", rank, case)
+        config, L, k = drawn_config(case), case["layers"], case["k"]
+        plain = drawn_training(memory_gpt(config, case["dropout"], seed=rank).double(), rank, case)
+        model = memory_gpt(config, case["dropout"], seed=rank).double()
+        blocks = list(model.blocks)
+        want = [list(range(i, min(i + k, L))) for i in range(0, L, k)]
+        got = checkpoint_segments(model, k)
+        assert [list(run) for run in got] == want, f"{what}: segments {got}, want {want}"
+        events, phase = [], ["forward"]
+        hooks = [block.register_forward_pre_hook(lambda mod, args, i=i: events.append((phase[0], i)))
+                 for i, block in enumerate(blocks)]
+        x, y = tokens(rank, 0, batch=case["batch"], seq=case["seq"])
+        loss = model(x, y)[1]
+        phase[0] = "backward"
+        (loss * case["scale"]).backward()
+        for hook in hooks:
+            hook.remove()
+        expected = [("forward", i) for i in range(L)] + [("backward", i) for run in reversed(want) for i in run]
+        assert events == expected, f"{what}: block forwards traced {events}, want {expected}"
+        model = memory_gpt(config, case["dropout"], seed=rank).double()
+        checkpoint_segments(model, k)
+        assert_same_drawn(drawn_training(model, rank, case), plain, what + " vs no checkpointing")
+
+
+def drawn_saved_bytes(s, b, h, a, selective, dropout, element=8) -> int:
+    """The chapter's count (see ``kept_bytes``) with dropout off too: without it no masks are saved,
+    s b (64 h + 4 a s + 16), selective s b (64 h + 16); x element size / 4."""
+    per_sbh = 72 if dropout else 64
+    per_as = 0 if selective else (12 if dropout else 4)
+    return s * b * (per_sbh * h + per_as * a * s + 16) * element // 4
+
+
+def selective_drawn(rank: int, cases: list[dict]) -> None:
+    from labkit.recompute import memory_gpt
+    for case in cases:
+        what = drawn_what("recompute.selective", rank, case)
+        config = drawn_config(case)
+        plain = drawn_training(memory_gpt(config, case["dropout"], seed=rank).double(), rank, case)
+        model = memory_gpt(config, case["dropout"], selective=True, seed=rank).double()
+        assert_same_drawn(drawn_training(model, rank, case), plain, what + " vs keeping the attention core")
+        s, b, h, a = case["seq"], case["batch"], case["width"], case["heads"]
+        x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+        want = drawn_saved_bytes(s, b, h, a, True, case["dropout"] > 0)
+        for i, block in enumerate(model.blocks):
+            with SavedBytes(model) as saved:
+                x = block(x)
+            assert saved.bytes == want, f"{what}, block {i}: saves {saved.bytes} B, want {want} B (s b (64 h + 16) x 2, + 8 s b h x 2 of masks with dropout)"
+
+
+def handed_bytes(model, rank: int, b: int, s: int) -> list[int]:
+    """Per block, the bytes of every tensor autograd saves (parameters left out), measured with
+    saved_tensors_hooks on a twin model: what a pool is handed in each layer (a tensor saved twice
+    counts twice, as the pool copies it twice). The RNG is left as it was."""
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    per_block = []
+    x, _ = tokens(rank, 0, batch=b, seq=s)
+    with torch.random.fork_rng():
+        h = model.wte(x) + model.wpe(torch.arange(s))
+        for block in model.blocks:
+            handed = []
+            with torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: handed.append(0 if t.untyped_storage()._cdata in params else t.nbytes) or t,
+                    lambda t: t):
+                h = block(h)
+            per_block.append(sum(handed))
+    return per_block
+
+
+def offload_drawn(rank: int, cases: list[dict]) -> None:
+    from labkit.recompute import OffloadPool, memory_gpt, offloaded_forward
+    for case in cases:
+        what = drawn_what("recompute.offload", rank, case)
+        config, L = drawn_config(case), case["layers"]
+        plain = drawn_training(memory_gpt(config, case["dropout"], seed=rank).double(), rank, case)
+        model = memory_gpt(config, case["dropout"], seed=rank).double()
+        pool = OffloadPool(model, device="cpu")
+        shapes = iter(((case["batch"], case["seq"]), (case["batch2"], case["seq2"])))
+        books = []
+
+        def forward(m, x, y):
+            pool.events.clear()
+            loss = offloaded_forward(m, pool, x, y)[1]
+            b, s = x.shape
+            books.append((b, s, pool.host_bytes, pool.device_bytes))
+            return loss
+
+        got = drawn_training(model, rank, case, forward=forward)
+        assert_same_drawn(got, plain, what + " vs no offloading (one pool, two steps)")
+        for step, (b, s, host, device) in enumerate(books):
+            layer = handed_bytes(memory_gpt(config, case["dropout"], seed=rank).double(), rank, b, s)
+            assert host == sum(layer) and device == 0, (
+                f"{what}, step {step} ([b, s] = [{b}, {s}]): after forward the host holds {host} B and the device "
+                f"{device} B; want every tensor autograd saved in the blocks ({layer} B per layer, measured) on "
+                "the host, 0 on the device")
+        back = [e for e in pool.events if e[0] != "offload"]
+        want = [("fetch", L - 1, layer[-1])] + [("prefetch", i, layer[i]) for i in reversed(range(L - 1))]
+        assert back == want, f"{what}, last step: the pool's events for backward {back}, want {want}"
+        assert pool.host_bytes == 0, f"{what}: {pool.host_bytes} B left on the host after backward"
+
+
 @task("recompute.checkpoint", points=3)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_checkpoint(world_size):
-    run_graded("recompute.checkpoint", checkpoint_on_rank, world_size, timeout=180)
+    run_graded("recompute.checkpoint", checkpoint_on_rank, world_size, draw_cases("recompute.checkpoint", world_size, apply_cases=True), timeout=180)
 
 
 @task("recompute.segments", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_segments(world_size):
-    run_graded("recompute.segments", segments_on_rank, world_size, timeout=120)
+    run_graded("recompute.segments", segments_on_rank, world_size, draw_cases("recompute.segments", world_size), timeout=120)
 
 
 @task("recompute.selective", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_selective(world_size):
-    run_graded("recompute.selective", selective_on_rank, world_size, timeout=120)
+    run_graded("recompute.selective", selective_on_rank, world_size, draw_cases("recompute.selective", world_size), timeout=120)
 
 
 @task("recompute.offload", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_offload(world_size):
-    run_graded("recompute.offload", offload_on_rank, world_size, timeout=120)
+    run_graded("recompute.offload", offload_on_rank, world_size, draw_cases("recompute.offload", world_size), timeout=120)
 
 
 @task("recompute.accumulate", points=2)

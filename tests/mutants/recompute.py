@@ -108,6 +108,33 @@ MUTANTS = [
     Mutant("recompute.offload", "nothing_offloaded", "keeps the tensor on the device and only writes down its bytes",
            find="        self.host[index].append(self._to_host(t))\n",
            replace="        self.host[index].append(t)\n        return (\"kept\", t)\n"),
+    # issue 39 item 2: killed by the drawn configurations only
+    Mutant("recompute.checkpoint", "floats_are_the_only_constants", "takes every argument that is not a float for a "
+           "tensor: an int argument (a repeat count, a layer index) goes to save_for_backward, which refuses it",
+           find="        ctx.others = [(isinstance(a, torch.Tensor), None if isinstance(a, torch.Tensor) else a) for a in args]\n"
+                "        ctx.save_for_backward(*[a for a in args if isinstance(a, torch.Tensor)])\n",
+           replace="        ctx.others = [(not isinstance(a, float), a if isinstance(a, float) else None) for a in args]\n"
+                   "        ctx.save_for_backward(*[a for a in args if not isinstance(a, float)])\n"),
+    Mutant("recompute.checkpoint", "lone_tuple_unwrapped", "returns fn's one-element tuple as a lone tensor (fn's "
+           "caller indexes [0] and gets a row)",
+           find="        with torch.no_grad():\n            return fn(*args)\n",
+           replace="        with torch.no_grad():\n            out = fn(*args)\n"
+                   "            return out[0] if isinstance(out, tuple) and len(out) == 1 else out\n"),
+    Mutant("recompute.selective", "only_with_dropout", "recomputes the core only when dropout is on (\"without "
+           "dropout nothing random needs replaying\"): without dropout the scores and softmax are kept",
+           find="    if not selective:\n        return attention_core(q, k, v, p)\n",
+           replace="    if not selective or p == 0.0:\n        return attention_core(q, k, v, p)\n"),
+    Mutant("recompute.offload", "host_buffers_reused", "keeps one host buffer per (layer, position) from the first "
+           "step and copies into it (pinned buffers allocated once): the next step's other shape does not fit",
+           find="        self.host[index].append(self._to_host(t))\n",
+           replace="        buffers = self.__dict__.setdefault('buffers', {})\n"
+                   "        key = (index, len(self.host[index]))\n"
+                   "        if key in buffers:\n"
+                   "            buffers[key].copy_(t)\n"
+                   "            self.host[index].append(buffers[key])\n"
+                   "        else:\n"
+                   "            buffers[key] = self._to_host(t)\n"
+                   "            self.host[index].append(buffers[key])\n"),
     # recompute.accumulate
     Mutant("recompute.accumulate", "loss_not_scaled", "backward of each micro-batch's loss unscaled: gradients m times too large",
            find="        loss = loss_fn(model, x, y) * (count / tokens)\n", replace="        loss = loss_fn(model, x, y)\n"),

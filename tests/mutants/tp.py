@@ -239,6 +239,23 @@ MUTANTS = [
            find="        y = F.linear(x, self.weight, self.bias)  # [.., out/N]: this rank's output features",
            replace="        B, T = x.shape[0], x.shape[1]\n"
                    "        y = F.linear(x.reshape(B * T, -1), self.weight, self.bias).view(B, T, -1)"),
+    # issue 39 item 2: low precision, killed by the drawn bf16/fp16 configurations only
+    Mutant("tp.column", "upcasts_low_precision",
+           "multiplies in at least float32 for accuracy and forgets to cast back: a bf16/fp16 layer returns float32",
+           find="        y = F.linear(x, self.weight, self.bias)  # [.., out/N]: this rank's output features",
+           replace="        up = torch.promote_types(x.dtype, torch.float32)\n"
+                   "        y = F.linear(x.to(up), self.weight.to(up), None if self.bias is None else self.bias.to(up))"),
+    Mutant("tp.row", "reduces_in_fp32",
+           "sums the partial products in at least float32 (fewer roundings) and returns that: bf16/fp16 in, float32 out",
+           find="        y = self.output_op(F.linear(x, self.weight), self.group)  # g: the partial products summed",
+           replace="        partial = F.linear(x, self.weight)\n"
+                   "        y = self.output_op(partial.to(torch.promote_types(partial.dtype, torch.float32)), self.group)"),
+    Mutant("tp.attention", "softmax_in_fp32_not_cast_back",
+           "attention in at least float32 for a stable softmax, the result left in float32: c_proj gets float32 "
+           "beside bf16/fp16 weights",
+           find="        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n",
+           replace="        up = torch.promote_types(q.dtype, torch.float32)\n"
+                   "        y = F.scaled_dot_product_attention(q.to(up), k.to(up), v.to(up), is_causal=True)\n"),
     # Contracts (labkit.runtime.contracts): the right sum, the caller's partial result overwritten.
     Mutant("tp.f_g", "g_reduces_its_input_in_place",
            "g all-reduces the row-parallel layer's output in place: right forward, the caller's tensor overwritten",
