@@ -320,7 +320,7 @@ def test_megatron_sequence_parallel_block(world_size):
     run_graded("sp.megatron", megatron_on_rank, world_size, draw_seed(), DRAWS)
 
 
-def bad_shapes_on_rank():
+def bad_shapes_on_rank(seed: int = 0, draws: int = 0):
     from labkit.sp import split_sequence, ulysses_attention, zigzag_positions
     n = dist.get_world_size()
     for make, words in ((lambda: split_sequence(torch.zeros(1, 4 * n + 1, 3)), "sequence length"),
@@ -330,12 +330,13 @@ def bad_shapes_on_rank():
             with pytest.raises(ValueError, match=words):
                 make()
         assert not tracer.events, f"sp: communicated before refusing a bad shape ({words}): {tracer.summary()}"
+    drawn_zigzag(seed, 5 * draws, f"rank {dist.get_rank()} of {n}")  # N and rank are arguments, not the launch's
     return zigzag_positions(4 * n, n - 1, n).tolist()
 
 
 @task("sp.zigzag", points=1)
 def test_bad_shapes_are_refused_before_any_communication():
-    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4)[0]
+    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4, draw_seed(), DRAWS)[0]
     assert positions == [6, 7, 8, 9], f"sp.zigzag: rank 3 of 4 holds {positions} of 16 tokens; expected [6, 7, 8, 9]"
 
 
@@ -561,6 +562,50 @@ def test_zigzag_split_and_its_inverse_balance_causal_work():
         # causal work per rank: the (query, key) pairs it must compute, over the whole ring
         work = [int(sum(p + 1 for p in zigzag_positions(T, r, n).tolist())) for r in range(n)]
         assert len(set(work)) == 1, f"sp.zigzag: causal work per rank {work} is not balanced (N={n})"
+    drawn_zigzag(draw_seed(), 10 * DRAWS, "one process")
+
+
+ZIGZAG_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+def drawn_zigzag(seed: int, draws: int, where_: str) -> None:
+    """Drawn N (1-8), chunk length, a 1-4-D tensor of a drawn dtype (ids and masks too) and dim
+    (negative as well): every rank's positions are chunks r and 2N-1-r (``zigzag_rows``), all
+    ranks' together a permutation of 0..T-1; each shard is those rows of x, in x's dtype; the
+    unshard puts shard r's row i back at position i of rank r's positions (the inverse
+    permutation, built here with index_copy), for the dim asked."""
+    from labkit.sp import zigzag_positions, zigzag_shard, zigzag_unshard
+    rng = random.Random(seed)
+    for draw in range(draws):
+        n, chunk, dims = rng.randint(1, 8), rng.randint(1, 3), rng.randint(1, 4)
+        T, dim = 2 * n * chunk, rng.randrange(-dims, dims)
+        shape = [rng.randint(1, 3) for _ in range(dims)]
+        shape[dim] = T
+        dtype = rng.choice(ZIGZAG_DTYPES)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        x = torch.randint(-50, 50, shape, generator=gen).to(dtype)
+        at = f"sp.zigzag: drawn configuration {draw} of seed {seed} ({where_}): N={n}, T={T}, x {tuple(shape)} " \
+             f"{dtype}, dim={dim}"
+        every = []
+        for r in range(n):
+            positions = zigzag_positions(T, r, n)
+            assert not positions.is_floating_point() and positions.tolist() == zigzag_rows(T, r, n), \
+                f"{at}: zigzag_positions(T, {r}, {n}) = {positions}; expected chunks {r} and {2 * n - 1 - r}: " \
+                f"{zigzag_rows(T, r, n)}"
+            every += positions.tolist()
+        assert sorted(every) == list(range(T)), f"{at}: the ranks' positions together are not a permutation of 0..T-1"
+        shards = [zigzag_shard(x, dim, r, n) for r in range(n)]
+        expected = torch.zeros_like(x)
+        for r, shard in enumerate(shards):
+            rows = torch.tensor(zigzag_rows(T, r, n))
+            assert shard.dtype == x.dtype and torch.equal(shard, x.index_select(dim, rows)), \
+                f"{at}: zigzag_shard(x, {dim}, {r}, {n}) is not rows {rows.tolist()} of x along dim {dim}, in {dtype}"
+            expected.index_copy_(dim, rows, shard)  # row i of shard r back to position rows[i]
+        kept = [shard.clone() for shard in shards]
+        whole = zigzag_unshard(shards, dim)
+        assert all(torch.equal(a, b) for a, b in zip(shards, kept)), f"{at}: zigzag_unshard changed its shards"
+        assert whole.dtype == x.dtype and torch.equal(whole, expected) and torch.equal(whole, x), \
+            f"{at}: zigzag_unshard(shards, {dim}) is not the inverse permutation of the shards (in {dtype})"
 
 
 # ----------------------------------------------------------------------------- Ulysses
