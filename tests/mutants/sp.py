@@ -200,19 +200,7 @@ MUTANTS = [
            "transposes k with dims (2, 3): right only for [B, heads, T, d] tensors",
            find="    scores = (q @ k.transpose(-2, -1)) * scale",
            replace="    scores = (q @ k.transpose(2, 3)) * scale"),
-    # Issue 39, items 2-3: what the drawn Megatron and zig-zag configurations kill (B, T, H,
-    # dtypes, strided inputs, bias=False and frozen row-layer biases; N, dims and dtypes for zig-zag)
-    Mutant("sp.megatron", "gather_flat_view",
-           "all-gathers x.view(-1) and reassembles [B, T, H] from the N flat pieces: right for a contiguous input, "
-           "an error on a strided one",
-           find="        shards = x.transpose(0, 1).contiguous()  # [T/N, B, H]: shards of dim 0 stack in rank order\n"
-                "        full = shards.new_empty((n * shards.shape[0], *shards.shape[1:]))\n"
-                "        dist.all_gather_single(full, shards, group=group)\n"
-                "        return full.transpose(0, 1).contiguous()",
-           replace="        b, rows, h = x.shape\n"
-                   "        full = x.new_empty(n * x.numel())\n"
-                   "        dist.all_gather_single(full, x.view(-1), group=group)\n"
-                   "        return full.view(n, b, rows, h).permute(1, 0, 2, 3).reshape(b, n * rows, h)"),
+    # Issue 39, items 2-3: what the drawn Megatron and zig-zag configurations kill (bias=False and frozen row-layer biases; N, dims and dtypes for zig-zag)
     Mutant("sp.megatron", "layernorm_grads_named_list",
            "reduces the six replicated parameters by name (ln_1/ln_2 weight and bias, the c_proj biases) instead of "
            "layernorm_parameters(): breaks on a model without biases",
