@@ -369,3 +369,78 @@ def test_plan_counts_what_a_layout_leaves_on_a_rank():
     memory = memory_per_gpu(shape, Layout(dp=4, zero=1), bytes_per_element=2, master_bytes=4)
     assert memory["optimizer"] == (2 * total * 4 + total * 4) / 4 and memory["params"] == 2 * total, \
         f"mesh.plan: ZeRO-1 over 4, 16-bit weights with fp32 moments and master: memory_per_gpu gives {memory}"
+
+
+def brute_force_plan(shape, layout, stage: int, zero: int) -> dict[str, int]:
+    """What one rank of ``stage`` keeps, counted on a real ``labkit.models.GPT`` of that shape:
+    its blocks (the stages cut as evenly as possible, the first ones one block longer), wte and
+    wpe on the first stage, ln_f and the head on the last (a tied head is wte itself in one
+    stage, its own copy on the last of several); each tensor as TP leaves it (``TP_SPLIT``);
+    with ZeRO-3 every tensor's rows (a vector: n rows of 1) padded to a multiple of dp."""
+    from labkit.models import GPT, GPTConfig
+    gpt = GPT(GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
+                        n_embd=shape.hidden, tie_weights=shape.tied))
+    sizes = [shape.layers // layout.pp + (s < shape.layers % layout.pp) for s in range(layout.pp)]
+    mine = range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
+    kept = []
+    for name, p in gpt.named_parameters():  # a tied head appears once, as wte.weight
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        if (block in mine) or (stage == 0 and name.startswith(("wte.", "wpe."))) or \
+                (stage == layout.pp - 1 and name.startswith(("ln_f.", "lm_head."))):
+            kept.append((name, list(p.shape)))
+    if shape.tied and layout.pp > 1 and stage == layout.pp - 1:
+        kept.append(("lm_head.weight", [shape.vocab, shape.hidden]))
+    shards = layout.dp if zero >= 3 else 1
+    elements = 0
+    for name, dims in kept:
+        dim = next((d for suffix, d in TP_SPLIT.items() if name.endswith(suffix)), None)
+        if dim is not None:
+            dims[dim] //= layout.tp
+        rows, cols = dims[0], math.prod(dims[1:])
+        elements += -(-rows // shards) * cols
+    return dict(params=elements, grads=elements, optimizer=2 * elements, tensors=len(kept))
+
+
+@task("mesh.plan", points=1)
+def test_plan_on_drawn_models_and_layouts_matches_a_count_on_the_model():
+    """Drawn model shapes (layers, heads, head size, vocab, sequence, tied or not) and layouts
+    (dp, tp, pp, cp, ZeRO stage, micro-batches, recomputation) and a drawn stage:
+    ``parameters_on_rank`` against ``brute_force_plan``; ``memory_per_gpu`` against the byte
+    arithmetic written out here: AdamW two moments in ``master_bytes`` (and a master copy when
+    the weights are narrower), ZeRO sharding over dp x cp (Rajbhandari et al. 2020); activations
+    (s/cp) b h (34 + 5 a s / h) / tp per layer and micro-batch in flight (Korthikanti et al. 2022),
+    with full recomputation 2 (s/cp) b h / tp per layer plus one layer's worth."""
+    from labkit.mesh import Layout, ModelShape, memory_per_gpu, parameters_on_rank
+    from tests.grading import configs
+    rng = configs.rng("mesh.plan")
+    for draw in range(configs.budget(ci=40, long=400)):
+        tp = rng.randint(1, 4)
+        heads = tp * rng.randint(1, 2)
+        shape = ModelShape(layers=rng.randint(1, 5), hidden=heads * rng.randint(1, 3), heads=heads,
+                           vocab=tp * rng.randint(1, 6), seq=rng.randint(1, 6), tied=rng.random() < 0.5)
+        layout = Layout(dp=rng.randint(1, 5), tp=tp, pp=rng.randint(1, shape.layers), cp=rng.randint(1, 3),
+                        zero=rng.randint(0, 3), microbatch=rng.randint(1, 3), microbatches=rng.randint(1, 4),
+                        recompute=rng.random() < 0.5)
+        stage = rng.randrange(layout.pp)
+        at = f"mesh.plan: drawn {draw}: {shape}, {layout}, stage {stage} {configs.replay('mesh.plan')}"
+        got, expected = parameters_on_rank(shape, layout, stage), brute_force_plan(shape, layout, stage, layout.zero)
+        assert got == expected, f"{at}: parameters_on_rank gives {got}; counted on the model: {expected}"
+        param_bytes, master = rng.choice([2, 4]), rng.choice([2, 4])
+        memory = memory_per_gpu(shape, layout, stage, bytes_per_element=param_bytes, master_bytes=master)
+        whole = brute_force_plan(shape, layout, stage, 0)["params"]
+        shards, zero = layout.dp * layout.cp, layout.zero
+        optimizer_bytes = 2 * master + (master if master != param_bytes else 0)
+        s, b, h, a = shape.seq, layout.microbatch, shape.hidden, shape.heads
+        per_layer = s / layout.cp * b * h * (34 + 5 * a * s / h) / layout.tp
+        layers = shape.layers // layout.pp + (stage < shape.layers % layout.pp)  # the first stages one longer
+        held = min(layout.pp - stage, layout.microbatches) if layout.pp > 1 else 1
+        activations = held * layers * (2 * s / layout.cp * b * h / layout.tp if layout.recompute else per_layer) \
+            + (per_layer if layout.recompute else 0)
+        want = dict(params=param_bytes * whole / (shards if zero >= 3 else 1),
+                    grads=param_bytes * whole / (shards if zero >= 2 else 1),
+                    optimizer=optimizer_bytes * whole / (shards if zero >= 1 else 1), activations=activations)
+        want["total"] = sum(want.values())
+        for key, value in want.items():
+            assert math.isclose(memory[key], value, rel_tol=1e-12), \
+                f"{at}: memory_per_gpu({param_bytes}-byte weights, {master}-byte moments)[{key!r}] = {memory[key]}; " \
+                f"expected {value}"

@@ -200,7 +200,8 @@ MUTANTS = [
            "transposes k with dims (2, 3): right only for [B, heads, T, d] tensors",
            find="    scores = (q @ k.transpose(-2, -1)) * scale",
            replace="    scores = (q @ k.transpose(2, 3)) * scale"),
-    # Issue 39, items 2-3: what the drawn Megatron and zig-zag configurations kill (bias=False and frozen row-layer biases; N, dims and dtypes for zig-zag)
+    # Issue 39, items 2-3: what the drawn Megatron and zig-zag configurations kill (bias=False and
+    # frozen row-layer biases; N, dims and dtypes for zig-zag)
     Mutant("sp.megatron", "layernorm_grads_named_list",
            "reduces the six replicated parameters by name (ln_1/ln_2 weight and bias, the c_proj biases) instead of "
            "layernorm_parameters(): breaks on a model without biases",
