@@ -344,6 +344,134 @@ def test_2d_training_matches_fully_shard_and_parallelize_module():
                      f"mesh.train_2d: rank {rank}: your 2-D loss curve vs fully_shard + parallelize_module")
 
 
+# ----------------------------------------------------------------------------- drawn layouts
+
+DRAWN_STEPS = 3
+
+
+def drawn_training(task_id: str):
+    """One drawn configuration per CI run (a launch costs seconds): a layout of world size 4,
+    the GPT's width, depth and tying, the optimizer (AdamW or SGD with momentum: state either
+    way) with two parameter groups (matrices decayed at lr; vectors and embeddings of positions
+    undecayed at another lr), the loss scale before backward; ``configs`` prints the seed."""
+    from tests.grading import configs
+    rng = configs.rng(task_id)
+    layouts = [(4, 1, 1), (2, 2, 1), (1, 4, 1)] if task_id == "mesh.train_2d" else [(2, 1, 2), (1, 2, 2)]
+    dp, tp, pp = rng.choice(layouts)
+    spec = dict(n_layer=2 * rng.randint(1, 2) if pp > 1 else rng.randint(1, 2), n_embd=4 * rng.randint(2, 4),
+                tie=pp == 1 and rng.random() < 0.5, optimizer=rng.choice(["adamw", "sgd"]),
+                lr=rng.choice([1e-2, 3e-2]), other_lr=rng.choice([1e-3, 5e-2]), decay=rng.choice([0.0, 0.1]),
+                scale=rng.choice([0.25, 3.0, 1024.0]), data_seed=rng.randrange(1000))
+    return (dp, tp, pp), spec, f"{task_id}: drawn dp={dp}, tp={tp}, pp={pp}, {spec} {configs.replay(task_id)}"
+
+
+def drawn_config(spec):
+    from labkit.models import GPTConfig
+    return GPTConfig(vocab_size=32, block_size=8, n_layer=spec["n_layer"], n_head=4, n_embd=spec["n_embd"],
+                     tie_weights=spec["tie"])
+
+
+def drawn_optimizer(named, spec):
+    """Two groups: matrices (weight decay, lr) and the rest (no decay, another lr), by name."""
+    named = list(named)
+    vector = [p for n, p in named if n.endswith("bias") or ".ln_" in n or n.startswith("ln_f") or "wpe" in n]
+    matrix = [p for n, p in named if all(p is not q for q in vector)]
+    groups = [dict(params=matrix, weight_decay=spec["decay"]), dict(params=vector, weight_decay=0.0, lr=spec["other_lr"])]
+    if spec["optimizer"] == "adamw":
+        return torch.optim.AdamW(groups, lr=spec["lr"])
+    return torch.optim.SGD(groups, lr=spec["lr"], momentum=0.9)
+
+
+def drawn_batches(spec):
+    from labkit.data import markov_tokens
+    x, y = markov_tokens(DRAWN_STEPS * GLOBAL_BATCH, 8, 32, seed=spec["data_seed"])
+    return x.view(DRAWN_STEPS, GLOBAL_BATCH, 8), y.view(DRAWN_STEPS, GLOBAL_BATCH, 8)
+
+
+def drawn_reference(spec) -> list[float]:
+    from labkit.models import GPT
+    model = GPT(drawn_config(spec)).double()
+    opt = drawn_optimizer(model.named_parameters(), spec)
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss = model(x[step], y[step])[1]
+        (spec["scale"] * loss).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def drawn_2d_on_rank(dp: int, tp: int, spec):
+    """parallelize_2d, then the loop of ``train_2d`` with the drawn optimizer and loss scale."""
+    from labkit.mesh import RankGrid, _global_loss, dp_slice, parallelize_2d
+    from labkit.models import GPT
+    torch.set_num_threads(1)
+    grid = RankGrid(dist.get_world_size(), dp=dp, tp=tp).make_groups()
+    model = parallelize_2d(GPT(drawn_config(spec)).double(), grid)
+    opt = drawn_optimizer(model.named_parameters(), spec)
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss = model(dp_slice(x[step], grid), dp_slice(y[step], grid))[1]
+        (spec["scale"] * loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_global_loss(loss, grid, 0))
+    return losses
+
+
+def drawn_3d_on_rank(dp: int, tp: int, pp: int, spec):
+    """build_stages_3d, then the loop of ``train_3d`` (1F1B, 2 micro-batches; the gradient
+    average over dp) with the drawn optimizer and the loss scaled inside the loss function."""
+    from labkit import pp as pipeline
+    from labkit.dp import average_gradients
+    from labkit.mesh import RankGrid, _global_loss, build_stages_3d, dp_slice
+    from labkit.models import GPT
+    from labkit.tp import vocab_parallel_cross_entropy
+    torch.set_num_threads(1)
+    grid = RankGrid(dist.get_world_size(), dp=dp, tp=tp, pp=pp).make_groups()
+    stages = build_stages_3d(GPT(drawn_config(spec)).double(), grid)
+    stage = next(iter(stages))
+    runner = pipeline.PipelineRunner(stages, pp, group=grid.group("pp"))
+    actions = pipeline.one_f_one_b(pp, 2)[stage]
+
+    def scaled_loss(logits, targets):
+        return spec["scale"] * vocab_parallel_cross_entropy(logits, targets, group=grid.group("tp"))
+
+    module = stages[stage]
+    opt = drawn_optimizer(dict(module.named_parameters()).items(), spec)
+    last = grid.axis_ranks("pp", dist.get_rank())[-1]
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss, _ = runner.step(actions, dp_slice(x[step], grid), dp_slice(y[step], grid), 2, scaled_loss)
+        average_gradients(module, grid.group("dp"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_global_loss(None if loss is None else loss / spec["scale"], grid, last))
+    return losses
+
+
+@task("mesh.train_2d", points=1)
+def test_2d_training_on_a_drawn_layout_optimizer_and_loss_scale():
+    (dp, tp, _), spec, what = drawn_training("mesh.train_2d")
+    expected = torch.tensor(drawn_reference(spec), dtype=torch.float64)
+    for rank, losses in enumerate(run_graded("mesh.train_2d", drawn_2d_on_rank, 4, dp, tp, spec)):
+        assert_close(torch.tensor(losses, dtype=torch.float64), expected,
+                     f"{what}, rank {rank}: loss curve over {DRAWN_STEPS} steps vs one process on the global batch")
+
+
+@task("mesh.train_3d", points=1)
+def test_3d_training_on_a_drawn_layout_optimizer_and_loss_scale():
+    (dp, tp, pp), spec, what = drawn_training("mesh.train_3d")
+    expected = torch.tensor(drawn_reference(spec), dtype=torch.float64)
+    for rank, losses in enumerate(run_graded("mesh.train_3d", drawn_3d_on_rank, 4, dp, tp, pp, spec)):
+        assert_close(torch.tensor(losses, dtype=torch.float64), expected,
+                     f"{what}, rank {rank}: loss curve over {DRAWN_STEPS} steps vs one process on the global batch")
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
