@@ -16,6 +16,13 @@ torch's (``fully_shard`` on the dp sub-mesh + ``parallelize_module`` on the tp s
 Memory: the parameter, gradient and optimizer bytes measured on every rank (labkit.memory)
 equal ``mesh.parameters_on_rank``'s prediction exactly (float64, AdamW: 2 moments per element
 and a 4-byte step counter per tensor).
+Drawn configurations (``tests/grading/configs.py``: a new seed each run, ``LABKIT_SEED``
+replays, ``LABKIT_LONG=1`` draws more): one drawn layout per CI run for each of train_2d
+(4x1, 2x2, 1x4) and train_3d (2x1x2, 1x2x2) at world size 4, with a drawn GPT (depth, width,
+tied or not), AdamW or SGD with momentum over two parameter groups (other lr, weight decay on
+matrices only) and a scaled loss, against one process on the global batch; for the plan, 40
+drawn model shapes and layouts (dp, tp, pp, cp, ZeRO stage, micro-batches, recomputation,
+stage) against a count on the real GPT and the byte arithmetic written out in the test.
 """
 
 import contextlib

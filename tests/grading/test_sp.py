@@ -35,6 +35,12 @@ Overlap (event order on the timeline): every forward exchange of ring attention 
 before the attention of the block in hand and waited on after it (world and subgroups).
 Memory: what ring attention keeps for backward per rank is 1/N of the unsharded one's
 (labkit.memory). Zig-zag gives every rank chunks r and 2N-1-r, the same causal work.
+Drawn configurations (a new seed each run, printed; ``LABKIT_SEED`` replays, ``LABKIT_LONG=1``
+draws more), inside the launches above: Megatron-SP's gather/reduce-scatter and block on drawn
+B, T, H, dtypes, strided inputs, heads, bias or not and frozen replicated parameters, each with
+a random incoming gradient per rank (``drawn_megatron``); zig-zag on drawn N, T, dims and dtypes,
+the permutation and its inverse against their definition, in one process and inside a launch
+of another size (``drawn_zigzag``); ring attention, Ulysses and the online softmax likewise.
 """
 
 import math
