@@ -16,6 +16,13 @@ torch's (``fully_shard`` on the dp sub-mesh + ``parallelize_module`` on the tp s
 Memory: the parameter, gradient and optimizer bytes measured on every rank (labkit.memory)
 equal ``mesh.parameters_on_rank``'s prediction exactly (float64, AdamW: 2 moments per element
 and a 4-byte step counter per tensor).
+Drawn configurations (``tests/grading/configs.py``: a new seed each run, ``LABKIT_SEED``
+replays, ``LABKIT_LONG=1`` draws more): one drawn layout per CI run for each of train_2d
+(4x1, 2x2, 1x4) and train_3d (2x1x2, 1x2x2) at world size 4, with a drawn GPT (depth, width,
+tied or not), AdamW or SGD with momentum over two parameter groups (other lr, weight decay on
+matrices only) and a scaled loss, against one process on the global batch; for the plan, 40
+drawn model shapes and layouts (dp, tp, pp, cp, ZeRO stage, micro-batches, recomputation,
+stage) against a count on the real GPT and the byte arithmetic written out in the test.
 """
 
 import contextlib
@@ -348,6 +355,134 @@ def test_2d_training_matches_fully_shard_and_parallelize_module():
                      f"mesh.train_2d: rank {rank}: your 2-D loss curve vs fully_shard + parallelize_module")
 
 
+# ----------------------------------------------------------------------------- drawn layouts
+
+DRAWN_STEPS = 3
+
+
+def drawn_training(task_id: str):
+    """One drawn configuration per CI run (a launch costs seconds): a layout of world size 4,
+    the GPT's width, depth and tying, the optimizer (AdamW or SGD with momentum: state either
+    way) with two parameter groups (matrices decayed at lr; vectors and embeddings of positions
+    undecayed at another lr), the loss scale before backward; ``configs`` prints the seed."""
+    from tests.grading import configs
+    rng = configs.rng(task_id)
+    layouts = [(4, 1, 1), (2, 2, 1), (1, 4, 1)] if task_id == "mesh.train_2d" else [(2, 1, 2), (1, 2, 2)]
+    dp, tp, pp = rng.choice(layouts)
+    spec = dict(n_layer=2 * rng.randint(1, 2) if pp > 1 else rng.randint(1, 2), n_embd=4 * rng.randint(2, 4),
+                tie=pp == 1 and rng.random() < 0.5, optimizer=rng.choice(["adamw", "sgd"]),
+                lr=rng.choice([1e-2, 3e-2]), other_lr=rng.choice([1e-3, 5e-2]), decay=rng.choice([0.0, 0.1]),
+                scale=rng.choice([0.25, 3.0, 1024.0]), data_seed=rng.randrange(1000))
+    return (dp, tp, pp), spec, f"{task_id}: drawn dp={dp}, tp={tp}, pp={pp}, {spec} {configs.replay(task_id)}"
+
+
+def drawn_config(spec):
+    from labkit.models import GPTConfig
+    return GPTConfig(vocab_size=32, block_size=8, n_layer=spec["n_layer"], n_head=4, n_embd=spec["n_embd"],
+                     tie_weights=spec["tie"])
+
+
+def drawn_optimizer(named, spec):
+    """Two groups: matrices (weight decay, lr) and the rest (no decay, another lr), by name."""
+    named = list(named)
+    vector = [p for n, p in named if n.endswith("bias") or ".ln_" in n or n.startswith("ln_f") or "wpe" in n]
+    matrix = [p for n, p in named if all(p is not q for q in vector)]
+    groups = [dict(params=matrix, weight_decay=spec["decay"]), dict(params=vector, weight_decay=0.0, lr=spec["other_lr"])]
+    if spec["optimizer"] == "adamw":
+        return torch.optim.AdamW(groups, lr=spec["lr"])
+    return torch.optim.SGD(groups, lr=spec["lr"], momentum=0.9)
+
+
+def drawn_batches(spec):
+    from labkit.data import markov_tokens
+    x, y = markov_tokens(DRAWN_STEPS * GLOBAL_BATCH, 8, 32, seed=spec["data_seed"])
+    return x.view(DRAWN_STEPS, GLOBAL_BATCH, 8), y.view(DRAWN_STEPS, GLOBAL_BATCH, 8)
+
+
+def drawn_reference(spec) -> list[float]:
+    from labkit.models import GPT
+    model = GPT(drawn_config(spec)).double()
+    opt = drawn_optimizer(model.named_parameters(), spec)
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss = model(x[step], y[step])[1]
+        (spec["scale"] * loss).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def drawn_2d_on_rank(dp: int, tp: int, spec):
+    """parallelize_2d, then the loop of ``train_2d`` with the drawn optimizer and loss scale."""
+    from labkit.mesh import RankGrid, _global_loss, dp_slice, parallelize_2d
+    from labkit.models import GPT
+    torch.set_num_threads(1)
+    grid = RankGrid(dist.get_world_size(), dp=dp, tp=tp).make_groups()
+    model = parallelize_2d(GPT(drawn_config(spec)).double(), grid)
+    opt = drawn_optimizer(model.named_parameters(), spec)
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss = model(dp_slice(x[step], grid), dp_slice(y[step], grid))[1]
+        (spec["scale"] * loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_global_loss(loss, grid, 0))
+    return losses
+
+
+def drawn_3d_on_rank(dp: int, tp: int, pp: int, spec):
+    """build_stages_3d, then the loop of ``train_3d`` (1F1B, 2 micro-batches; the gradient
+    average over dp) with the drawn optimizer and the loss scaled inside the loss function."""
+    from labkit import pp as pipeline
+    from labkit.dp import average_gradients
+    from labkit.mesh import RankGrid, _global_loss, build_stages_3d, dp_slice
+    from labkit.models import GPT
+    from labkit.tp import vocab_parallel_cross_entropy
+    torch.set_num_threads(1)
+    grid = RankGrid(dist.get_world_size(), dp=dp, tp=tp, pp=pp).make_groups()
+    stages = build_stages_3d(GPT(drawn_config(spec)).double(), grid)
+    stage = next(iter(stages))
+    runner = pipeline.PipelineRunner(stages, pp, group=grid.group("pp"))
+    actions = pipeline.one_f_one_b(pp, 2)[stage]
+
+    def scaled_loss(logits, targets):
+        return spec["scale"] * vocab_parallel_cross_entropy(logits, targets, group=grid.group("tp"))
+
+    module = stages[stage]
+    opt = drawn_optimizer(dict(module.named_parameters()).items(), spec)
+    last = grid.axis_ranks("pp", dist.get_rank())[-1]
+    x, y = drawn_batches(spec)
+    losses = []
+    for step in range(DRAWN_STEPS):
+        loss, _ = runner.step(actions, dp_slice(x[step], grid), dp_slice(y[step], grid), 2, scaled_loss)
+        average_gradients(module, grid.group("dp"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(_global_loss(None if loss is None else loss / spec["scale"], grid, last))
+    return losses
+
+
+@task("mesh.train_2d", points=1)
+def test_2d_training_on_a_drawn_layout_optimizer_and_loss_scale():
+    (dp, tp, _), spec, what = drawn_training("mesh.train_2d")
+    expected = torch.tensor(drawn_reference(spec), dtype=torch.float64)
+    for rank, losses in enumerate(run_graded("mesh.train_2d", drawn_2d_on_rank, 4, dp, tp, spec)):
+        assert_close(torch.tensor(losses, dtype=torch.float64), expected,
+                     f"{what}, rank {rank}: loss curve over {DRAWN_STEPS} steps vs one process on the global batch")
+
+
+@task("mesh.train_3d", points=1)
+def test_3d_training_on_a_drawn_layout_optimizer_and_loss_scale():
+    (dp, tp, pp), spec, what = drawn_training("mesh.train_3d")
+    expected = torch.tensor(drawn_reference(spec), dtype=torch.float64)
+    for rank, losses in enumerate(run_graded("mesh.train_3d", drawn_3d_on_rank, 4, dp, tp, pp, spec)):
+        assert_close(torch.tensor(losses, dtype=torch.float64), expected,
+                     f"{what}, rank {rank}: loss curve over {DRAWN_STEPS} steps vs one process on the global batch")
+
+
 # ----------------------------------------------------------------------------- the plan
 
 
@@ -373,3 +508,78 @@ def test_plan_counts_what_a_layout_leaves_on_a_rank():
     memory = memory_per_gpu(shape, Layout(dp=4, zero=1), bytes_per_element=2, master_bytes=4)
     assert memory["optimizer"] == (2 * total * 4 + total * 4) / 4 and memory["params"] == 2 * total, \
         f"mesh.plan: ZeRO-1 over 4, 16-bit weights with fp32 moments and master: memory_per_gpu gives {memory}"
+
+
+def brute_force_plan(shape, layout, stage: int, zero: int) -> dict[str, int]:
+    """What one rank of ``stage`` keeps, counted on a real ``labkit.models.GPT`` of that shape:
+    its blocks (the stages cut as evenly as possible, the first ones one block longer), wte and
+    wpe on the first stage, ln_f and the head on the last (a tied head is wte itself in one
+    stage, its own copy on the last of several); each tensor as TP leaves it (``TP_SPLIT``);
+    with ZeRO-3 every tensor's rows (a vector: n rows of 1) padded to a multiple of dp."""
+    from labkit.models import GPT, GPTConfig
+    gpt = GPT(GPTConfig(vocab_size=shape.vocab, block_size=shape.seq, n_layer=shape.layers, n_head=shape.heads,
+                        n_embd=shape.hidden, tie_weights=shape.tied))
+    sizes = [shape.layers // layout.pp + (s < shape.layers % layout.pp) for s in range(layout.pp)]
+    mine = range(sum(sizes[:stage]), sum(sizes[:stage + 1]))
+    kept = []
+    for name, p in gpt.named_parameters():  # a tied head appears once, as wte.weight
+        block = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        if (block in mine) or (stage == 0 and name.startswith(("wte.", "wpe."))) or \
+                (stage == layout.pp - 1 and name.startswith(("ln_f.", "lm_head."))):
+            kept.append((name, list(p.shape)))
+    if shape.tied and layout.pp > 1 and stage == layout.pp - 1:
+        kept.append(("lm_head.weight", [shape.vocab, shape.hidden]))
+    shards = layout.dp if zero >= 3 else 1
+    elements = 0
+    for name, dims in kept:
+        dim = next((d for suffix, d in TP_SPLIT.items() if name.endswith(suffix)), None)
+        if dim is not None:
+            dims[dim] //= layout.tp
+        rows, cols = dims[0], math.prod(dims[1:])
+        elements += -(-rows // shards) * cols
+    return dict(params=elements, grads=elements, optimizer=2 * elements, tensors=len(kept))
+
+
+@task("mesh.plan", points=1)
+def test_plan_on_drawn_models_and_layouts_matches_a_count_on_the_model():
+    """Drawn model shapes (layers, heads, head size, vocab, sequence, tied or not) and layouts
+    (dp, tp, pp, cp, ZeRO stage, micro-batches, recomputation) and a drawn stage:
+    ``parameters_on_rank`` against ``brute_force_plan``; ``memory_per_gpu`` against the byte
+    arithmetic written out here: AdamW two moments in ``master_bytes`` (and a master copy when
+    the weights are narrower), ZeRO sharding over dp x cp (Rajbhandari et al. 2020); activations
+    (s/cp) b h (34 + 5 a s / h) / tp per layer and micro-batch in flight (Korthikanti et al. 2022),
+    with full recomputation 2 (s/cp) b h / tp per layer plus one layer's worth."""
+    from labkit.mesh import Layout, ModelShape, memory_per_gpu, parameters_on_rank
+    from tests.grading import configs
+    rng = configs.rng("mesh.plan")
+    for draw in range(configs.budget(ci=40, long=400)):
+        tp = rng.randint(1, 4)
+        heads = tp * rng.randint(1, 2)
+        shape = ModelShape(layers=rng.randint(1, 5), hidden=heads * rng.randint(1, 3), heads=heads,
+                           vocab=tp * rng.randint(1, 6), seq=rng.randint(1, 6), tied=rng.random() < 0.5)
+        layout = Layout(dp=rng.randint(1, 5), tp=tp, pp=rng.randint(1, shape.layers), cp=rng.randint(1, 3),
+                        zero=rng.randint(0, 3), microbatch=rng.randint(1, 3), microbatches=rng.randint(1, 4),
+                        recompute=rng.random() < 0.5)
+        stage = rng.randrange(layout.pp)
+        at = f"mesh.plan: drawn {draw}: {shape}, {layout}, stage {stage} {configs.replay('mesh.plan')}"
+        got, expected = parameters_on_rank(shape, layout, stage), brute_force_plan(shape, layout, stage, layout.zero)
+        assert got == expected, f"{at}: parameters_on_rank gives {got}; counted on the model: {expected}"
+        param_bytes, master = rng.choice([2, 4]), rng.choice([2, 4])
+        memory = memory_per_gpu(shape, layout, stage, bytes_per_element=param_bytes, master_bytes=master)
+        whole = brute_force_plan(shape, layout, stage, 0)["params"]
+        shards, zero = layout.dp * layout.cp, layout.zero
+        optimizer_bytes = 2 * master + (master if master != param_bytes else 0)
+        s, b, h, a = shape.seq, layout.microbatch, shape.hidden, shape.heads
+        per_layer = s / layout.cp * b * h * (34 + 5 * a * s / h) / layout.tp
+        layers = shape.layers // layout.pp + (stage < shape.layers % layout.pp)  # the first stages one longer
+        held = min(layout.pp - stage, layout.microbatches) if layout.pp > 1 else 1
+        activations = held * layers * (2 * s / layout.cp * b * h / layout.tp if layout.recompute else per_layer) \
+            + (per_layer if layout.recompute else 0)
+        want = dict(params=param_bytes * whole / (shards if zero >= 3 else 1),
+                    grads=param_bytes * whole / (shards if zero >= 2 else 1),
+                    optimizer=optimizer_bytes * whole / (shards if zero >= 1 else 1), activations=activations)
+        want["total"] = sum(want.values())
+        for key, value in want.items():
+            assert math.isclose(memory[key], value, rel_tol=1e-12), \
+                f"{at}: memory_per_gpu({param_bytes}-byte weights, {master}-byte moments)[{key!r}] = {memory[key]}; " \
+                f"expected {value}"

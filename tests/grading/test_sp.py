@@ -35,6 +35,12 @@ Overlap (event order on the timeline): every forward exchange of ring attention 
 before the attention of the block in hand and waited on after it (world and subgroups).
 Memory: what ring attention keeps for backward per rank is 1/N of the unsharded one's
 (labkit.memory). Zig-zag gives every rank chunks r and 2N-1-r, the same causal work.
+Drawn configurations (a new seed each run, printed; ``LABKIT_SEED`` replays, ``LABKIT_LONG=1``
+draws more), inside the launches above: Megatron-SP's gather/reduce-scatter and block on drawn
+B, T, H, dtypes, strided inputs, heads, bias or not and frozen replicated parameters, each with
+a random incoming gradient per rank (``drawn_megatron``); zig-zag on drawn N, T, dims and dtypes,
+the permutation and its inverse against their definition, in one process and inside a launch
+of another size (``drawn_zigzag``); ring attention, Ulysses and the online softmax likewise.
 """
 
 import math
@@ -158,13 +164,108 @@ def full_attention(causal, T, seed=0):
 REPLICATED = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_proj.bias", "mlp.c_proj.bias")
 
 
-def megatron_on_rank():
+def megatron_on_rank(seed: int = 0, draws: int = 0):
     torch.set_num_threads(1)
     configs = list(groups_to_check())
     for i, (group, members) in enumerate(configs):
         # the last configuration (the world at 2 ranks, a subgroup at 3 and 4) with a frozen
         # LayerNorm bias: it has no gradient, so nothing to reduce for it
         megatron_check(group, members, frozen=("ln_2.bias",) if i == len(configs) - 1 else ())
+    drawn_megatron(seed, draws, configs)
+
+
+def drawn_megatron(seed: int, draws: int, groups) -> None:
+    """Drawn configurations over a drawn group of the launch: gather_sequence and
+    reduce_scatter_sequence on drawn B, T (a multiple of N), H, dtype and a strided (not
+    contiguous) input, each with a random incoming gradient per rank, against the rank-order
+    definitions; then the sequence-parallel block with drawn heads, width, bias or not and
+    frozen replicated parameters, against the unsharded block. The caller's input and incoming
+    gradient come back unchanged; every draw is a new call with other shapes in this process."""
+    from labkit.models import GPT, GPTConfig
+    from labkit.sp import gather_sequence, reduce_layernorm_grads, reduce_scatter_sequence, sequence_parallel_block
+    from labkit.tp import unshard
+    rng = random.Random(seed)
+    for draw in range(draws):
+        group, members = groups[rng.randrange(len(groups))]
+        n, me = len(members), members.index(dist.get_rank())
+        b, rows, h = rng.randint(1, 3), rng.randint(1, 3), rng.randint(1, 5)
+        T, dtype, strided = n * rows, rng.choice([torch.float64, torch.float32]), rng.random() < 0.5
+        tol = drawn_tolerance(dtype)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+
+        def drawn(*shape):  # the same values on every rank (one generator, drawn in the same order)
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+        def as_input(t):  # the values of t, contiguous or in a transposed layout (a strided view)
+            t = t.transpose(1, 2).contiguous().transpose(1, 2) if strided else t.clone()
+            return t.requires_grad_()
+
+        mine = slice(me * rows, (me + 1) * rows)
+        at = f"sp.megatron: drawn configuration {draw} of seed {seed}, {where(members)}, B={b}, T={T}, H={h}, " \
+             f"{dtype}{', a strided input' if strided else ''}"
+        # gather_sequence: rank r's shard is rows r of the whole; the gradient of my shard is the
+        # sum over ranks of their incoming gradients at my rows
+        whole, ups = drawn(b, T, h), [drawn(b, T, h) for _ in members]
+        x = as_input(whole[:, mine])
+        incoming = ups[me].clone()
+        y = gather_sequence(x, group)
+        assert_close(y, whole, f"{at}: gather_sequence output", **tol)
+        y.backward(incoming)
+        assert torch.equal(incoming, ups[me]), f"{at}: gather_sequence's backward changed the incoming gradient"
+        assert torch.equal(x.detach(), whole[:, mine]), f"{at}: gather_sequence changed its input"
+        assert_close(x.grad, sum(u[:, mine] for u in ups), f"{at}: gather_sequence input gradient "
+                     f"(the sum over ranks of a random incoming gradient, at this rank's rows)", **tol)
+        # reduce_scatter_sequence: the sum of every rank's partial [B, T, H], my rows; the
+        # gradient of my partial is every rank's incoming gradient, in rank order along T
+        partials, ups = [drawn(b, T, h) for _ in members], [drawn(b, rows, h) for _ in members]
+        x = as_input(partials[me])
+        incoming = ups[me].clone()
+        y = reduce_scatter_sequence(x, group)
+        assert_close(y, sum(partials)[:, mine], f"{at}: reduce_scatter_sequence output", **tol)
+        y.backward(incoming)
+        assert torch.equal(incoming, ups[me]), f"{at}: reduce_scatter_sequence's backward changed the incoming gradient"
+        assert torch.equal(x.detach(), partials[me]), f"{at}: reduce_scatter_sequence changed its input"
+        assert_close(x.grad, torch.cat(ups, 1), f"{at}: reduce_scatter_sequence input gradient "
+                     f"(every rank's random incoming gradient, gathered along T)", **tol)
+        # the block: heads a multiple of N, any head size, bias or not, some replicated parameters frozen
+        heads, bias = n * rng.randint(1, 2), rng.random() < 0.5
+        config = GPTConfig(vocab_size=8, block_size=T, n_layer=1, n_head=heads, n_embd=heads * rng.randint(1, 3),
+                           bias=bias)
+        reference, block = (GPT(config).to(dtype).blocks[0] for _ in range(2))
+        replicated = [name for name in REPLICATED if bias or name.endswith("weight")]  # no biases without bias
+        frozen = [name for name in replicated if rng.random() < 0.3]
+        at = f"sp.megatron: drawn configuration {draw} of seed {seed}, {where(members)}, the block with B={b}, T={T}, " \
+             f"heads={heads}, H={config.n_embd}, bias={bias}, {dtype}, frozen {frozen}"
+        x_full, up = drawn(b, T, config.n_embd), drawn(b, T, config.n_embd)
+        sp_block = sequence_parallel_block(block, group)
+        for name in frozen:  # frozen on the built block (chapter 05's layers make new bias parameters)
+            reference.get_parameter(name).requires_grad_(False)
+            sp_block.get_parameter(name).requires_grad_(False)
+        leaf = x_full.clone().requires_grad_()
+        expected = reference(leaf)
+        expected.backward(up)
+        x = as_input(x_full[:, mine])
+        incoming = up[:, mine].clone()
+        y = sp_block(x)
+        assert_close(y, expected[:, mine].detach(), f"{at}: output (this rank's tokens)", **tol)
+        y.backward(incoming)
+        assert torch.equal(incoming, up[:, mine]), f"{at}: backward changed the incoming gradient"
+        assert torch.equal(x.detach(), x_full[:, mine]), f"{at}: the block changed its input"
+        assert_close(x.grad, leaf.grad[:, mine], f"{at}: input gradient (a random incoming gradient)", **tol)
+        reduce_layernorm_grads([sp_block], group)
+        for name in replicated:
+            got, want = sp_block.get_parameter(name).grad, reference.get_parameter(name).grad
+            if name in frozen:
+                assert got is None, f"{at}: {name} is frozen but has a gradient"
+                continue
+            assert_close(got, want, f"{at}: {name} gradient after reduce_layernorm_grads", **tol)
+        for name, dim, parts in (("attn.c_attn.weight", 0, 3), ("mlp.c_fc.weight", 0, 1),
+                                 ("attn.c_proj.weight", 1, 1), ("mlp.c_proj.weight", 1, 1)):
+            local = sp_block.get_parameter(name).grad
+            pieces = [torch.empty_like(local) for _ in range(n)]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            assert_close(unshard(pieces, dim, parts), reference.get_parameter(name).grad,
+                         f"{at}: {name} gradient, gathered", **tol)
 
 
 def megatron_check(group, members, frozen=()):
@@ -222,10 +323,10 @@ def megatron_check(group, members, frozen=()):
 @task("sp.megatron", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_megatron_sequence_parallel_block(world_size):
-    run_graded("sp.megatron", megatron_on_rank, world_size)
+    run_graded("sp.megatron", megatron_on_rank, world_size, draw_seed(), DRAWS)
 
 
-def bad_shapes_on_rank():
+def bad_shapes_on_rank(seed: int = 0, draws: int = 0):
     from labkit.sp import split_sequence, ulysses_attention, zigzag_positions
     n = dist.get_world_size()
     for make, words in ((lambda: split_sequence(torch.zeros(1, 4 * n + 1, 3)), "sequence length"),
@@ -235,12 +336,13 @@ def bad_shapes_on_rank():
             with pytest.raises(ValueError, match=words):
                 make()
         assert not tracer.events, f"sp: communicated before refusing a bad shape ({words}): {tracer.summary()}"
+    drawn_zigzag(seed, 5 * draws, f"rank {dist.get_rank()} of {n}")  # N and rank are arguments, not the launch's
     return zigzag_positions(4 * n, n - 1, n).tolist()
 
 
 @task("sp.zigzag", points=1)
 def test_bad_shapes_are_refused_before_any_communication():
-    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4)[0]
+    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4, draw_seed(), DRAWS)[0]
     assert positions == [6, 7, 8, 9], f"sp.zigzag: rank 3 of 4 holds {positions} of 16 tokens; expected [6, 7, 8, 9]"
 
 
@@ -466,6 +568,50 @@ def test_zigzag_split_and_its_inverse_balance_causal_work():
         # causal work per rank: the (query, key) pairs it must compute, over the whole ring
         work = [int(sum(p + 1 for p in zigzag_positions(T, r, n).tolist())) for r in range(n)]
         assert len(set(work)) == 1, f"sp.zigzag: causal work per rank {work} is not balanced (N={n})"
+    drawn_zigzag(draw_seed(), 10 * DRAWS, "one process")
+
+
+ZIGZAG_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool]
+
+
+def drawn_zigzag(seed: int, draws: int, where_: str) -> None:
+    """Drawn N (1-8), chunk length, a 1-4-D tensor of a drawn dtype (ids and masks too) and dim
+    (negative as well): every rank's positions are chunks r and 2N-1-r (``zigzag_rows``), all
+    ranks' together a permutation of 0..T-1; each shard is those rows of x, in x's dtype; the
+    unshard puts shard r's row i back at position i of rank r's positions (the inverse
+    permutation, built here with index_copy), for the dim asked."""
+    from labkit.sp import zigzag_positions, zigzag_shard, zigzag_unshard
+    rng = random.Random(seed)
+    for draw in range(draws):
+        n, chunk, dims = rng.randint(1, 8), rng.randint(1, 3), rng.randint(1, 4)
+        T, dim = 2 * n * chunk, rng.randrange(-dims, dims)
+        shape = [rng.randint(1, 3) for _ in range(dims)]
+        shape[dim] = T
+        dtype = rng.choice(ZIGZAG_DTYPES)
+        gen = torch.Generator().manual_seed(rng.randrange(2**31))
+        x = torch.randint(-50, 50, shape, generator=gen).to(dtype)
+        at = f"sp.zigzag: drawn configuration {draw} of seed {seed} ({where_}): N={n}, T={T}, x {tuple(shape)} " \
+             f"{dtype}, dim={dim}"
+        every = []
+        for r in range(n):
+            positions = zigzag_positions(T, r, n)
+            assert not positions.is_floating_point() and positions.tolist() == zigzag_rows(T, r, n), \
+                f"{at}: zigzag_positions(T, {r}, {n}) = {positions}; expected chunks {r} and {2 * n - 1 - r}: " \
+                f"{zigzag_rows(T, r, n)}"
+            every += positions.tolist()
+        assert sorted(every) == list(range(T)), f"{at}: the ranks' positions together are not a permutation of 0..T-1"
+        shards = [zigzag_shard(x, dim, r, n) for r in range(n)]
+        expected = torch.zeros_like(x)
+        for r, shard in enumerate(shards):
+            rows = torch.tensor(zigzag_rows(T, r, n))
+            assert shard.dtype == x.dtype and torch.equal(shard, x.index_select(dim, rows)), \
+                f"{at}: zigzag_shard(x, {dim}, {r}, {n}) is not rows {rows.tolist()} of x along dim {dim}, in {dtype}"
+            expected.index_copy_(dim, rows, shard)  # row i of shard r back to position rows[i]
+        kept = [shard.clone() for shard in shards]
+        whole = zigzag_unshard(shards, dim)
+        assert all(torch.equal(a, b) for a, b in zip(shards, kept)), f"{at}: zigzag_unshard changed its shards"
+        assert whole.dtype == x.dtype and torch.equal(whole, expected) and torch.equal(whole, x), \
+            f"{at}: zigzag_unshard(shards, {dim}) is not the inverse permutation of the shards (in {dtype})"
 
 
 # ----------------------------------------------------------------------------- Ulysses

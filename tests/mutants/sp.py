@@ -200,4 +200,42 @@ MUTANTS = [
            "transposes k with dims (2, 3): right only for [B, heads, T, d] tensors",
            find="    scores = (q @ k.transpose(-2, -1)) * scale",
            replace="    scores = (q @ k.transpose(2, 3)) * scale"),
+    # Issue 39, items 2-3: what the drawn Megatron and zig-zag configurations kill (bias=False and
+    # frozen row-layer biases; N, dims and dtypes for zig-zag)
+    Mutant("sp.megatron", "layernorm_grads_named_list",
+           "reduces the six replicated parameters by name (ln_1/ln_2 weight and bias, the c_proj biases) instead of "
+           "layernorm_parameters(): breaks on a model without biases",
+           find="        for p in block.layernorm_parameters():\n",
+           replace="        for p in (block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias,\n"
+                   "                  block.attn.c_proj.bias, block.mlp.c_proj.bias):\n"),
+    Mutant("sp.megatron", "row_biases_always_reduced",
+           "checks for a gradient on the LayerNorms only, and all-reduces the row layers' biases unconditionally: "
+           "a frozen c_proj bias (or bias=False) breaks it",
+           find="        for p in block.layernorm_parameters():\n"
+                "            if p.grad is not None:\n"
+                "                dist.all_reduce(p.grad, group=group)\n",
+           replace="        for p in [*block.ln_1.parameters(), *block.ln_2.parameters()]:\n"
+                   "            if p.grad is not None:\n"
+                   "                dist.all_reduce(p.grad, group=group)\n"
+                   "        for p in (block.attn.c_proj.bias, block.mlp.c_proj.bias):\n"
+                   "            dist.all_reduce(p.grad, group=group)\n"),
+    Mutant("sp.zigzag", "unshard_along_dim_1",
+           "zigzag_unshard concatenates and permutes along dim 1 (the sequence dim of [B, T, H]) whatever dim it is given",
+           find="    length = sum(s.shape[dim] for s in shards)\n"
+                "    order = torch.cat([zigzag_positions(length, r, world) for r in range(world)])\n"
+                "    stacked = torch.cat(shards, dim)\n"
+                "    return stacked.index_select(dim, torch.argsort(order).to(stacked.device))\n",
+           replace="    length = sum(s.shape[1] for s in shards)\n"
+                   "    order = torch.cat([zigzag_positions(length, r, world) for r in range(world)])\n"
+                   "    stacked = torch.cat(shards, 1)\n"
+                   "    return stacked.index_select(1, torch.argsort(order).to(stacked.device))\n"),
+    Mutant("sp.zigzag", "shard_along_dim_1",
+           "zigzag_shard takes the rows along dim 1 whatever dim it is given",
+           find="    return x.index_select(dim, zigzag_positions(x.shape[dim], rank, world).to(x.device))",
+           replace="    return x.index_select(1, zigzag_positions(x.shape[1], rank, world).to(x.device))"),
+    Mutant("sp.zigzag", "world_of_the_launch",
+           "zigzag_positions takes N from the process group when there is one, not from its argument",
+           find="    chunk = per_rank(length, 2 * world, \"sequence length (zig-zag needs 2N chunks)\")\n",
+           replace="    world = dist.get_world_size() if dist.is_initialized() else world\n"
+                   "    chunk = per_rank(length, 2 * world, \"sequence length (zig-zag needs 2N chunks)\")\n"),
 ]
