@@ -126,6 +126,7 @@ from torch.utils._pytree import tree_leaves
 from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, ConfinedTracer, Op, Step, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -181,9 +182,10 @@ def ref_weights(gate64, x64, experts, k):
     return chosen / chosen.sum(1, keepdim=True) if k > 1 else chosen
 
 
-def router_on_rank() -> None:
+def router_on_rank(drawn: list = ()) -> None:
     from labkit.moe import load_balancing_loss, route, router_z_loss
     rank = dist.get_rank()
+    router_drawn_on_rank(drawn)
     for dtype in DTYPES:  # logits where exp overflows: logsumexp and softmax must not
         scale = LARGE[dtype]
         what = f"moe.router: rank {rank}, {NAMES[dtype]}, logits of about {scale:g} (exp overflows)"
@@ -272,6 +274,116 @@ def router_on_rank() -> None:
         if k < R_EXPERTS:  # at k = E every f_e is 1/E and the aux loss is the constant 1: its gradient is rounding
             near(aux_grad, ref_aux_grad.to(dtype), what + ": gate gradient of the aux loss (through P_e only)")
         near(z_grad, ref_z_grad.to(dtype), what + ": gate gradient of the z-loss")
+
+
+# ----------------------------------------------------------------------------- router, drawn configurations
+
+BIG_LOGITS = {torch.float64: 300.0, torch.float32: 10.0, torch.bfloat16: 1.0, torch.float16: 1.0}  # saturating scale per dtype
+ROUTER_TIES = ("none", "duplicate expert", "zero tokens")
+
+
+def draw_router(n: int) -> list:
+    """Configurations of ``route`` / ``load_balancing_loss`` / ``router_z_loss`` from their whole
+    documented space, for one launch at world size n: T 1-17 tokens, E 1-8 experts, any k from 1
+    to E, H 1-7, the four dtypes, x row- or column-major, logits of ordinary size or saturating
+    (probabilities that underflow to 0 in float64 and float32: ties at 0), and exact ties (two
+    experts with the same gate row; tokens of zeros, every expert at 1/E)."""
+    rng = configs.rng(f"moe.router:{n}")
+    cases = []
+    for i in range(configs.budget(ci=16, long=200)):
+        num_experts, dtype = rng.randint(1, 8), rng.choice(DTYPES)
+        cases.append(dict(tokens=rng.randint(1, 17), num_experts=num_experts, k=rng.randint(1, num_experts),
+                          hidden=rng.randint(1, 7), dtype=dtype, tie=rng.choice(ROUTER_TIES),
+                          scale=rng.choice((1.0, BIG_LOGITS[dtype])), column_major=rng.random() < 0.3,
+                          salt=rng.randrange(2 ** 31), replay=configs.replay(f"moe.router, world size {n}, drawn case {i}")))
+    return cases
+
+
+def router_drawn_case(c: dict, rank: int) -> None:
+    """One drawn configuration, against float64 references of the same (rounded) inputs: outputs,
+    dtypes and shapes; the experts a top-k of the exact probabilities, most probable first (any
+    order among exact ties); the weights of the experts chosen; aux and z-loss; and the gradients
+    of the gate AND of the tokens for random incoming gradients on weights, probs and logits and
+    random weights on aux and z-loss (one backward through every output)."""
+    from labkit.moe import load_balancing_loss, route, router_z_loss
+    tokens, num_experts, k, hidden, dtype = (c[key] for key in ("tokens", "num_experts", "k", "hidden", "dtype"))
+    what = (f"moe.router (drawn): rank {rank}, {NAMES[dtype]}, T={tokens}, E={num_experts}, k={k}, H={hidden}, "
+            f"ties: {c['tie']}, logit scale {c['scale']:g}{', x column-major' if c['column_major'] else ''} {c['replay']}")
+    gen = torch.Generator().manual_seed(c["salt"] + rank)
+    x64 = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    gate64 = torch.randn(num_experts, hidden, generator=gen, dtype=torch.float64) * c["scale"]
+    if c["tie"] == "duplicate expert" and num_experts > 1:
+        i, j = torch.randperm(num_experts, generator=gen)[:2].tolist()
+        gate64[j] = gate64[i]
+    if c["tie"] == "zero tokens":
+        x64[::2] = 0.0  # all E logits 0: every probability 1/E
+    x = x64.to(dtype)
+    if c["column_major"]:
+        x = x.t().contiguous().t()
+    x.requires_grad_(True)
+    gate = gate64.to(dtype).requires_grad_(True)
+    xd, gd = x.detach().double(), gate.detach().double()  # the inputs route sees, exactly, in float64
+    experts, weights, probs, logits = route(x, gate, k)
+    for name, t in (("weights", weights), ("probs", probs), ("logits", logits)):
+        assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
+            f"{what}: {name} must be {dtype} (the dtype of x), got {getattr(t, 'dtype', type(t))}"
+    for name, t, shape in (("weights", weights, (tokens, k)), ("probs", probs, (tokens, num_experts)),
+                           ("logits", logits, (tokens, num_experts))):
+        assert tuple(t.shape) == shape, f"{what}: {name} must be {shape}, got {tuple(t.shape)}"
+    assert isinstance(experts, torch.Tensor) and experts.dtype == torch.int64 and tuple(experts.shape) == (tokens, k), \
+        f"{what}: experts must be int64 [T, k] = {(tokens, k)}, got {getattr(experts, 'dtype', type(experts))} " \
+        f"{tuple(getattr(experts, 'shape', ()))}"
+    ref_logits = xd @ gd.t()
+    ref_probs = ref_softmax(ref_logits)
+    near(logits, ref_logits.to(dtype), what + ": logits = x W^T")
+    near(probs, ref_probs.to(dtype), what + ": softmax probabilities")
+    assert ((experts >= 0) & (experts < num_experts)).all() and all(len(set(row)) == k for row in experts.tolist()), \
+        f"{what}: k distinct experts in [0, E) per token, got {experts.tolist()}"
+    mine = probs.detach().double()
+    picked = mine.gather(1, experts)
+    assert (picked[:, :-1] >= picked[:, 1:]).all(), f"{what}: experts must come most probable first, got {experts.tolist()}"
+    if k < num_experts:
+        rest = mine.scatter(1, experts, float("-inf")).max(1).values
+        assert (picked[:, -1] >= rest).all(), f"{what}: experts must be the k most probable (of your probs)"
+    near(ref_probs.gather(1, experts).to(dtype), ref_probs.topk(k, dim=1).values.to(dtype),
+         what + ": the chosen experts' exact probabilities must be the k largest (a top-k, any order among ties)")
+    near(weights, ref_weights(gd, xd, experts, k).to(dtype),
+         what + (": k = 1 weight = the chosen probability" if k == 1 else ": weights renormalised over the k chosen"))
+    aux, z = load_balancing_loss(probs, experts, num_experts), router_z_loss(logits)
+    f = torch.bincount(experts.reshape(-1), minlength=num_experts).double() / (tokens * k)
+    assert aux.dtype == dtype and aux.dim() == 0 and z.dtype == dtype and z.dim() == 0, \
+        f"{what}: aux and z-loss must be {dtype} scalars, got {aux.dtype} {tuple(aux.shape)}, {z.dtype} {tuple(z.shape)}"
+    near(aux, (num_experts * (f * ref_probs.mean(0)).sum()).to(dtype), what + ": load-balancing loss E sum f_e P_e")
+    near(z, (torch.logsumexp(ref_logits, 1) ** 2).mean().to(dtype), what + ": z-loss mean(logsumexp^2)")
+    # one backward through every output, each with its own random incoming gradient (at k = E the aux
+    # loss is the constant 1: its gradient is rounding alone, so it gets none)
+    cw, cp, cl = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                  for shape in ((tokens, k), (tokens, num_experts), (tokens, num_experts)))
+    a_aux = 0.0 if k == num_experts else torch.rand((), generator=gen, dtype=torch.float64).item() + 0.5
+    a_z = torch.rand((), generator=gen, dtype=torch.float64).item() + 0.5
+    outputs = (weights, probs, logits, aux, z)
+    for name, t in zip(("weights", "probs", "logits", "aux", "z-loss"), outputs):
+        assert t.requires_grad, f"{what}: {name} must carry a gradient to the gate and the tokens"
+    incoming = [cw.to(dtype), cp.to(dtype), cl.to(dtype), torch.tensor(a_aux, dtype=dtype), torch.tensor(a_z, dtype=dtype)]
+    gate_grad, x_grad = torch.autograd.grad(outputs, (gate, x), incoming, allow_unused=True)
+    g, xr = gd.clone().requires_grad_(True), xd.clone().requires_grad_(True)
+    r_logits = xr @ g.t()
+    r_probs = ref_softmax(r_logits)
+    r_chosen = r_probs.gather(1, experts)
+    r_weights = r_chosen / r_chosen.sum(1, keepdim=True) if k > 1 else r_chosen
+    ref_total = ((r_weights * cw).sum() + (r_probs * cp).sum() + (r_logits * cl).sum()
+                 + a_aux * num_experts * (f * r_probs.mean(0)).sum() + a_z * (torch.logsumexp(r_logits, 1) ** 2).mean())
+    ref_gate, ref_x = torch.autograd.grad(ref_total, (g, xr))
+    for name, got, want in (("gate", gate_grad, ref_gate), ("tokens x", x_grad, ref_x)):
+        assert got is not None, f"{what}: the {name} got no gradient (route is a function of both)"
+        near(got, want.to(dtype), what + f": {name} gradient for random incoming gradients on weights, probs, logits, "
+                                         f"aux (x {a_aux:.3g}) and z-loss (x {a_z:.3g})")
+
+
+def router_drawn_on_rank(cases: list) -> None:
+    rank = dist.get_rank()
+    for c in cases:
+        router_drawn_case(c, rank)
 
 
 # ----------------------------------------------------------------------------- capacity
@@ -1238,7 +1350,7 @@ def shared_overlap_on_rank() -> None:
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_router(world_size):
-    run_graded("moe.router", router_on_rank, world_size)
+    run_graded("moe.router", router_on_rank, world_size, draw_router(world_size))
 
 
 @task("moe.capacity", points=1)
