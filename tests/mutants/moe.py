@@ -236,3 +236,20 @@ EQUIVALENT = {
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
 }
+
+# Wrong implementations that the fixed cases let through and the drawn configurations
+# (issue 39: ties, saturating logits, the tokens' gradient, other splits, exact boundaries) kill.
+MUTANTS += [
+    # moe.router
+    Mutant("moe.router", "tokens_detached", "routes on x.detach() 'the router only trains the gate': the tokens get "
+           "no gradient through the gate weights",
+           find="no gradient)\n    logits = x @ gate_weight.t()\n", replace="no gradient)\n    logits = x.detach() @ gate_weight.t()\n"),
+    Mutant("moe.router", "argmax_zero_masking", "picks the k experts by repeated argmax, masking each pick with 0: "
+           "once probabilities underflow to 0 the same expert is picked again",
+           find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n    # END SOLUTION\n\n\ndef biased_route",
+           replace="    masked, picks = probs.detach().clone(), []\n    for _ in range(k):\n"
+                   "        picks.append(masked.argmax(dim=-1))\n        masked.scatter_(-1, picks[-1].unsqueeze(-1), 0.0)\n"
+                   "    experts = torch.stack(picks, dim=-1)\n    weights = probs.gather(-1, experts)\n"
+                   "    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n"
+                   "    # END SOLUTION\n\n\ndef biased_route"),
+]
