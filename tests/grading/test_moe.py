@@ -388,9 +388,11 @@ def router_drawn_on_rank(cases: list) -> None:
 
 # ----------------------------------------------------------------------------- capacity
 
-def capacity_on_rank() -> None:
+def capacity_on_rank(drawn: dict | None = None) -> None:
     from labkit.moe import expert_capacity, keep_mask
     rank = dist.get_rank()
+    if drawn:
+        capacity_drawn_on_rank(drawn)
     cases = [(12, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 0.5), (9, 8, 2, 2.0), (13, 5, 3, 1.0), (8, 4, 4, 1.0),
              (10, 4, 3, 0.2), (6, 4, 2, 0.5), (16, 4, 1, 0.25), (20, 8, 2, 1.5), (5, 5, 5, 1.0), (11, 3, 3, 0.75)]
     for tokens, experts, k, factor in cases:
@@ -434,6 +436,114 @@ def capacity_on_rank() -> None:
             assert torch.equal(mask, want), (
                 f"{what}: keep_mask must keep each expert's first choices in (token, slot) order\n"
                 f" got  {mask.int().tolist()}\n want {want.int().tolist()}")
+
+
+# ----------------------------------------------------------------------------- capacity, drawn configurations
+
+def draw_capacity_factor(rng: random.Random) -> float:
+    """A capacity factor from the whole documented space (any float > 0): dyadic (exact in binary,
+    so C k T / E may be an exact integer), tiny (1e-6 ... 0.05: the capacity is 1), two decimals
+    (0.05 ... 4), or large (up to 16: an expert may take more than T)."""
+    kind = rng.random()
+    if kind < 0.35:
+        return rng.randint(1, 64) / 2 ** rng.randint(0, 6)
+    if kind < 0.5:
+        return rng.choice((1e-6, 1e-3, 0.01, rng.uniform(1e-6, 0.05)))
+    if kind < 0.85:
+        return round(rng.uniform(0.05, 4.0), 2)
+    return round(rng.uniform(4.0, 16.0), 1)
+
+
+def exact_capacity(tokens: int, num_experts: int, k: int, factor: float):
+    """ceil(C k T / E) with C the float's exact value, or None when the exact quotient is not an
+    integer but within 1e-9 of one (its rounding depends on the order of the float operations:
+    no implementation can be told wrong there)."""
+    q = Fraction(factor) * k * tokens / num_experts
+    if q.denominator != 1 and min(q - math.floor(q), math.ceil(q) - q) < Fraction(1, 10 ** 9) * max(q, 1):
+        return None
+    return math.ceil(q)
+
+
+def draw_capacity(n: int) -> dict:
+    """For one launch: (T, E, k, C) for ``expert_capacity``, about a third of them exact integers C k T / E,
+    most with E not dividing T (the quotient must not be rounded up), and [T, k] choice tables for
+    ``keep_mask`` (E 1-8, any k, T 1-40, skewed or not, row- or column-major) with capacities 1,
+    drawn, from a drawn factor, the fullest expert's count, one less, and None."""
+    rng = configs.rng(f"moe.capacity:{n}")
+    formula = []
+    while len(formula) < configs.budget(ci=300, long=5000):
+        num_experts = rng.randint(1, 64)
+        k = rng.randint(1, num_experts)
+        if rng.random() < 0.35:  # an exact integer: C dyadic, T a multiple of E / gcd
+            factor = rng.randint(1, 64) / 2 ** rng.randint(0, 6)
+            step = (Fraction(factor) * k / num_experts).denominator
+            tokens = step * rng.randint(1, max(1, 4096 // step))
+            if tokens > 4096:
+                continue
+        else:
+            factor, tokens = draw_capacity_factor(rng), rng.randint(1, 4096)
+        want = exact_capacity(tokens, num_experts, k, factor)
+        if want is not None:
+            formula.append((tokens, num_experts, k, factor, want))
+    masks = []
+    for i in range(configs.budget(ci=24, long=300)):
+        num_experts = rng.randint(1, 8)
+        masks.append(dict(num_experts=num_experts, k=rng.randint(1, num_experts), tokens=rng.randint(1, 40),
+                          skewed=rng.random() < 0.5, column_major=rng.random() < 0.3,
+                          capacity=rng.choice(("1", "drawn", "factor", "fullest", "fullest - 1", None)),
+                          factor=draw_capacity_factor(rng), salt=rng.randrange(2 ** 31),
+                          replay=configs.replay(f"moe.capacity, world size {n}, drawn mask {i}")))
+    return dict(formula=formula, masks=masks, replay=configs.replay(f"moe.capacity, world size {n}"))
+
+
+def loop_keep(choices: torch.Tensor, num_experts: int, capacity) -> torch.Tensor:
+    """The stated rule as a loop: each expert takes choices in (token, slot) order until full."""
+    taken, keep = [0] * num_experts, torch.zeros_like(choices, dtype=torch.bool)
+    for t in range(choices.shape[0]):
+        for j in range(choices.shape[1]):
+            e = choices[t, j].item()
+            if capacity is None or taken[e] < capacity:
+                taken[e] += 1
+                keep[t, j] = True
+    return keep
+
+
+def capacity_drawn_on_rank(drawn: dict) -> None:
+    from labkit.moe import expert_capacity, keep_mask
+    rank = dist.get_rank()
+    for tokens, num_experts, k, factor, want in drawn["formula"]:
+        got = expert_capacity(tokens, num_experts, k, factor)
+        assert isinstance(got, int) and not isinstance(got, bool) and got == want, (
+            f"moe.capacity (drawn): T={tokens}, E={num_experts}, k={k}, C={factor!r}: {got!r}, want the int "
+            f"ceil(C k T / E) = {want} (C k T / E = {float(Fraction(factor) * k * tokens / num_experts)!r}) {drawn['replay']}")
+    for c in drawn["masks"]:
+        num_experts, k, tokens = c["num_experts"], c["k"], c["tokens"]
+        gen = torch.Generator().manual_seed(c["salt"] + rank)
+        choices = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)])
+        if c["skewed"] and num_experts > 1:  # crowd expert 0: swap it into slot 0 of every other token
+            for t in range(0, tokens, 2):
+                row = choices[t]
+                where = (row == 0).nonzero()
+                if where.numel():
+                    row[where[0, 0]] = row[0].clone()
+                row[0] = 0
+        fullest = torch.bincount(choices.reshape(-1)).max().item()
+        capacity = {"1": 1, "drawn": 1 + int(torch.randint(fullest + 1, (), generator=gen)), "fullest": fullest,
+                    "fullest - 1": max(1, fullest - 1), None: None,
+                    "factor": exact_capacity(tokens, num_experts, k, c["factor"]) or 1}[c["capacity"]]
+        if c["column_major"]:
+            choices = choices.t().contiguous().t()
+        want = loop_keep(choices, num_experts, capacity)
+        what = (f"moe.capacity (drawn): keep_mask on rank {rank}, E={num_experts}, k={k}, T={tokens}, capacity {capacity} "
+                f"({c['capacity']}){', skewed' if c['skewed'] else ''}{', experts column-major' if c['column_major'] else ''} "
+                f"{c['replay']}")
+        mask = keep_mask(choices, num_experts, capacity)
+        assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == choices.shape, \
+            f"{what}: keep_mask must be bool {tuple(choices.shape)}, got {getattr(mask, 'dtype', type(mask))} " \
+            f"{tuple(getattr(mask, 'shape', ()))}"
+        assert torch.equal(mask, want), (
+            f"{what}: keep_mask must keep each expert's first choices in (token, slot) order\n"
+            f" choices {choices.tolist()}\n got  {mask.int().tolist()}\n want {want.int().tolist()}")
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -1356,7 +1466,7 @@ def test_router(world_size):
 @task("moe.capacity", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_capacity(world_size):
-    run_graded("moe.capacity", capacity_on_rank, world_size)
+    run_graded("moe.capacity", capacity_on_rank, world_size, draw_capacity(world_size))
 
 
 @task("moe.dispatch", points=2)
