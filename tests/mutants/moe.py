@@ -253,3 +253,17 @@ MUTANTS += [
                    "    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n"
                    "    # END SOLUTION\n\n\ndef biased_route"),
 ]
+MUTANTS += [
+    # moe.capacity
+    Mutant("moe.capacity", "divide_first", "ceil(T / E * k * C): the same formula in another order, one row too many "
+           "where C k T / E is an exact integer and T / E is not exact in binary (T=7, E=3, k=3, C=1: 8, not 7)",
+           find="return math.ceil(capacity_factor * k * tokens / num_experts)",
+           replace="return math.ceil(tokens / num_experts * k * capacity_factor)"),
+    Mutant("moe.capacity", "view_not_reshape", "flattens the choices with view(-1): refuses a [T, k] table that is not "
+           "row-major (a transposed or sliced one)",
+           find="    flat = experts.reshape(-1)\n    one_hot", replace="    flat = experts.view(-1)\n    one_hot"),
+    Mutant("moe.capacity", "capped_at_tokens", "caps the capacity at T 'an expert never takes a token twice': the "
+           "documented ceil(C k T / E) is larger once C k > E",
+           find="return math.ceil(capacity_factor * k * tokens / num_experts)",
+           replace="return min(tokens, math.ceil(capacity_factor * k * tokens / num_experts))"),
+]
