@@ -465,16 +465,16 @@ def exact_capacity(tokens: int, num_experts: int, k: int, factor: float):
 
 
 def draw_capacity(n: int) -> dict:
-    """For one launch: (T, E, k, C) for ``expert_capacity``, about a third of them exact integers C k T / E,
+    """For one launch: (T, E, k, C) for ``expert_capacity``, more than half of them exact integers C k T / E,
     most with E not dividing T (the quotient must not be rounded up), and [T, k] choice tables for
     ``keep_mask`` (E 1-8, any k, T 1-40, skewed or not, row- or column-major) with capacities 1,
     drawn, from a drawn factor, the fullest expert's count, one less, and None."""
     rng = configs.rng(f"moe.capacity:{n}")
     formula = []
-    while len(formula) < configs.budget(ci=300, long=5000):
+    while len(formula) < configs.budget(ci=400, long=5000):
         num_experts = rng.randint(1, 64)
         k = rng.randint(1, num_experts)
-        if rng.random() < 0.35:  # an exact integer: C dyadic, T a multiple of E / gcd
+        if rng.random() < 0.6:  # an exact integer: C dyadic, T a multiple of E / gcd
             factor = rng.randint(1, 64) / 2 ** rng.randint(0, 6)
             step = (Fraction(factor) * k / num_experts).denominator
             tokens = step * rng.randint(1, max(1, 4096 // step))
