@@ -556,9 +556,10 @@ PATTERNS = {  # rows group rank s sends to group rank d, of a group of m
 }
 
 
-def dispatch_on_rank() -> None:
+def dispatch_on_rank(drawn: list = ()) -> None:
     from labkit.moe import AllToAll, exchange_counts
     rank = dist.get_rank()
+    dispatch_drawn_on_rank(drawn)
     for group_name, members, group in groups_of_world():
         if rank not in members:
             continue
@@ -605,6 +606,109 @@ def dispatch_on_rank() -> None:
                 f"{what}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
             assert_sequence(tracer, [Op("all_to_all", counts.nbytes, members)],
                             what + f" (one all-to-all of the E int64 counts in group {members})")
+
+
+# ----------------------------------------------------------------------------- dispatch, drawn configurations
+
+GROUPS_AT = {1: 1, 2: 1, 3: 2, 4: 5}  # len(groups_of_world()) at each world size
+
+
+def draw_splits(rng: random.Random) -> list:
+    """[4][4] rows group rank s sends to group rank d (the top-left m x m is used): 0-5 each, a
+    third of them 0 (ranks that send or receive nothing, in whole or to some)."""
+    return [[0 if rng.random() < 0.35 else rng.randint(1, 5) for _ in range(4)] for _ in range(4)]
+
+
+def draw_dispatch(n: int) -> list:
+    """Configurations of ``AllToAll`` and ``exchange_counts`` for one launch at world size n: a group
+    of the world, a dtype, H 1-6, two calls with their own uneven splits drawn per rank (zeros
+    included; the second half the time the first's blocks re-dealt between senders, so that every
+    receiver gets the same number of rows as in the first call), a row- or column-major input and
+    incoming gradient, E/N 1-3 counts of 0 ... 1e12 (zeros included), plain or a strided view."""
+    rng = configs.rng(f"moe.dispatch:{n}")
+    cases = []
+    for i in range(configs.budget(ci=8, long=80)):
+        first = draw_splits(rng)
+        if rng.random() < 0.5:
+            order = rng.sample(range(4), 4)
+            second = [first[order[s]][:] for s in range(4)]
+        else:
+            second = draw_splits(rng)
+        local = rng.randint(1, 3)
+        cases.append(dict(group=rng.randrange(GROUPS_AT[n]), dtype=rng.choice(DTYPES), hidden=rng.randint(1, 6),
+                          splits=(first, second), strided=rng.random() < 0.4, local=local,
+                          counts=[[0 if rng.random() < 0.3 else rng.randint(1, 10 ** rng.randint(1, 12))
+                                   for _ in range(4 * local)] for _ in range(4)],
+                          counts_strided=rng.random() < 0.5, salt=rng.randrange(2 ** 31),
+                          replay=configs.replay(f"moe.dispatch, world size {n}, drawn case {i}")))
+    return cases
+
+
+def dispatch_drawn_on_rank(cases: list) -> None:
+    """Each drawn case: two ``AllToAll`` calls with their own splits, both forward before one
+    backward through both (as the layer's dispatch and combine), random rows and random incoming
+    gradients that every rank rebuilds from the case's seed: the rows received and the gradients
+    sent back exact, the first call's output unchanged by the second call, one all-to-all per call
+    each way in the group; then ``exchange_counts`` of the drawn counts, exact."""
+    from labkit.moe import AllToAll, exchange_counts
+    rank = dist.get_rank()
+    groups = groups_of_world()
+    for c in cases:
+        group_name, members, group = groups[c["group"]]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        dtype, hidden = c["dtype"], c["hidden"]
+        gen = torch.Generator().manual_seed(c["salt"])  # the same on every rank: each rebuilds every rank's rows
+        calls = []
+        for rows in c["splits"]:
+            rows = [row[:m] for row in rows[:m]]
+            xs = [torch.randn(sum(rows[s]), hidden, generator=gen, dtype=torch.float64).to(dtype) for s in range(m)]
+            gs = [torch.randn(sum(rows[s][d] for s in range(m)), hidden, generator=gen, dtype=torch.float64).to(dtype)
+                  for d in range(m)]
+            x, g = xs[me].clone(), gs[me].clone()
+            if c["strided"]:
+                x, g = x.t().contiguous().t(), g.t().contiguous().t()
+            calls.append(dict(rows=rows, xs=xs, gs=gs, x=x.requires_grad_(True), g=g,
+                              send=rows[me], recv=[rows[s][me] for s in range(m)]))
+        what = (f"moe.dispatch (drawn): AllToAll on rank {rank}, {group_name}, {NAMES[dtype]}, H={hidden}, "
+                f"call 1 sends {calls[0]['send']} receives {calls[0]['recv']}, call 2 sends {calls[1]['send']} "
+                f"receives {calls[1]['recv']}{', column-major rows and gradients' if c['strided'] else ''} {c['replay']}")
+        with CommTracer() as tracer:
+            outs = [AllToAll.apply(call["x"], call["recv"], call["send"], group) for call in calls]
+            firsts = outs[0].detach().clone()
+            torch.autograd.backward(outs, [call["g"] for call in calls])
+        for i, (call, out) in enumerate(zip(calls, outs)):
+            rows, xs, gs = call["rows"], call["xs"], call["gs"]
+            want = torch.cat([xs[s][sum(rows[s][:me]):sum(rows[s][:me + 1])] for s in range(m)])
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype, f"{what}: call {i + 1}'s rows must be {dtype}"
+            assert_close(out, want, what + f": call {i + 1}: the blocks received, in group-rank order", rtol=0, atol=0)
+            back = torch.cat([gs[d][sum(rows[s][d] for s in range(me)):sum(rows[s][d] for s in range(me + 1))]
+                              for d in range(m)])
+            assert_close(call["x"].grad, back, what + f": call {i + 1}: backward sends each row's incoming gradient "
+                                                      f"back to its sender (both calls' backwards after both forwards)",
+                         rtol=0, atol=0)
+        assert_close(outs[0].detach(), firsts, what + ": call 1's rows must not change when call 2 runs (its own buffer)",
+                     rtol=0, atol=0)
+        size = hidden * torch.tensor([], dtype=dtype).element_size()
+        want_ops = [Op("all_to_all", max(sum(call["send"]), sum(call["recv"])) * size, members) for call in calls]
+        assert_ops(tracer, want_ops + want_ops, what + f" (one all-to-all per call each way, in group {members})")
+        assert [e.in_backward for e in tracer.events] == [False, False, True, True], \
+            f"{what}: two all-to-alls forward, then two in backward"
+        local = c["local"]
+        table = [torch.tensor(row[:m * local], dtype=torch.int64) for row in c["counts"][:m]]
+        counts = table[me].clone()
+        if c["counts_strided"]:
+            counts = torch.stack([counts, -counts], dim=1)[:, 0]
+        with CommTracer() as tracer:
+            got = exchange_counts(counts, group)
+        want = torch.stack([table[s][me * local:(me + 1) * local] for s in range(m)])
+        where = (f"moe.dispatch (drawn): exchange_counts on rank {rank}, {group_name}, {local} experts per rank, counts "
+                 f"{counts.tolist()}{' (a strided view)' if c['counts_strided'] else ''} {c['replay']}")
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and torch.equal(got, want), \
+            f"{where}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
+        assert_sequence(tracer, [Op("all_to_all", m * local * 8, members)],
+                        where + f" (one all-to-all of the E int64 counts in group {members})")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -1472,7 +1576,7 @@ def test_capacity(world_size):
 @task("moe.dispatch", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_dispatch(world_size):
-    run_graded("moe.dispatch", dispatch_on_rank, world_size)
+    run_graded("moe.dispatch", dispatch_on_rank, world_size, draw_dispatch(world_size))
 
 
 @task("moe.layer", points=3)
