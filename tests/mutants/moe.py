@@ -267,3 +267,20 @@ MUTANTS += [
            find="return math.ceil(capacity_factor * k * tokens / num_experts)",
            replace="return min(tokens, math.ceil(capacity_factor * k * tokens / num_experts))"),
 ]
+MUTANTS += [
+    # moe.dispatch
+    Mutant("moe.dispatch", "splits_on_class", "keeps the split sizes on the class, not on ctx: right for one call "
+           "at a time, wrong once two calls (dispatch and combine) run forward before either backward",
+           find="        ctx.splits, ctx.group = (output_splits, input_splits), group\n"
+                "        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))\n"
+                "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n"
+                "        return out\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad):\n"
+                "        # BEGIN SOLUTION moe.dispatch: the same all-to-all with the split lists swapped\n"
+                "        output_splits, input_splits = ctx.splits\n",
+           replace="        AllToAll.splits, ctx.group = (output_splits, input_splits), group\n"
+                   "        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))\n"
+                   "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n"
+                   "        return out\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad):\n"
+                   "        # BEGIN SOLUTION moe.dispatch: the same all-to-all with the split lists swapped\n"
+                   "        output_splits, input_splits = AllToAll.splits\n"),
+]
