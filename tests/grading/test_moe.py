@@ -16,11 +16,25 @@ k = 1), from the auxiliary loss (f carries none) and from the z-loss. The z-loss
 softmax are also checked on logits large enough that exp overflows (1e3 in float64 and
 float32, 1e3 in bfloat16, 30 in float16).
 
+moe.router, drawn (``tests/grading/configs.py``: a new seed each run, ``LABKIT_SEED`` replays it,
+``LABKIT_LONG=1`` draws 200 instead of 16 per launch): T 1-17, E 1-8, k 1-E, H 1-7, the four dtypes,
+x row- or column-major, ordinary or saturating logits (probabilities underflowing to 0), exact
+ties (a duplicated gate row; tokens of zeros); the experts a top-k of the exact probabilities in
+order (any order among ties), and the gradients of the gate and of the tokens for random incoming
+gradients on weights, probs, logits, aux and z-loss at once. (``route`` documents x as [T, H]:
+3-D tokens are the layer's, flattened before routing, so none is drawn here.)
+
 moe.capacity: ``expert_capacity`` against exact fractions at k = 1, 2, 3 and E, with factors
 that drop and factors that do not, C k T / E an exact integer (no rounding up) and not;
 ``keep_mask`` against a loop over choices for k = 1, 2, 3 and E, T = 7, 11, 13 tokens, some
 experts chosen by nobody, at capacities derived from factors 0.5, 1, 2 and None, and exactly
 at the boundary (the fullest expert's count: nothing dropped; one less: one choice dropped).
+
+moe.capacity, drawn: 400 (T <= 4096, E <= 64, k, C) per launch, C dyadic, tiny (1e-6 ...), two
+decimals or up to 16, more than half with C k T / E an exact integer (no rounding up; catches a
+reordered float formula), against ceil of the exact fraction; 24 keep_mask tables (E 1-8, k 1-E,
+T 1-40, skewed or not, row- or column-major) at capacities 1, drawn, from a factor, the fullest
+count, one less and None, against the loop.
 
 moe.dispatch: ``AllToAll`` and ``exchange_counts`` on the world and on subgroups (N = 3: the
 pair {0, 1} with rank 2 a bystander; N = 4: the pairs {0, 1}, {2, 3} and the 2x2 grid's
@@ -29,6 +43,13 @@ rank that sends nothing, a rank that receives nothing), a non-contiguous input, 
 backward, and exchange_counts with 1, 2 and 3 experts per rank (2: counts a strided view);
 values are exact (data movement); the trace is exactly one all-to-all forward and one
 backward in that group, of max(rows sent, received) x H x element size bytes.
+
+moe.dispatch, drawn: 8 cases per launch on a drawn group, dtype and H: two ``AllToAll`` calls
+with their own uneven splits (zeros included; half the time the same receive totals), both
+forward before one backward, random rows and random incoming gradients, row- or column-major;
+exact values both ways, the first output untouched by the second call, the trace; then
+``exchange_counts`` of drawn counts (E/N 1-3, up to 1e12, zeros, strided or not). (``AllToAll``
+documents rows [M, H]: no 3-D rows are drawn.)
 
 moe.layer: ``ExpertParallelMoE`` on the world and the same subgroups at k = 1, 2, 3 and E,
 dropless, dropping, exactly at capacity, uneven routing (experts with no token, ranks that
