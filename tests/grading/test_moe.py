@@ -1462,10 +1462,87 @@ def overlap_function_on_rank(groups) -> None:
                                             f"matmuls run", events=[index])
 
 
-def shared_overlap_on_rank() -> None:
+def draw_shared(n: int) -> list:
+    """``SharedExpertMoE`` configurations for one launch at world size n: a group of the world, E/N
+    1-3, k 1-E, dropless or a capacity factor in (0, 2.5], the four dtypes, H and F 1-9, 1-3 shared
+    experts of width 1-9 or the routed width (None), each rank's [B, T, H] input, twice (the second
+    call of other shapes)."""
+    rng = configs.rng(f"moe.shared_overlap:{n}")
+    cases = []
+    for i in range(configs.budget(ci=3, long=30)):
+        local = rng.randint(1, 3)
+        cases.append(dict(group=rng.randrange(GROUPS_AT[n]), local=local, k_draw=rng.random(),
+                          factor=None if rng.random() < 0.4 else round(rng.uniform(0.05, 2.5), 2),
+                          dtype=rng.choice(DTYPES), hidden=rng.randint(1, 9), ffn=rng.randint(1, 9),
+                          num_shared=rng.randint(1, 3), shared_ffn=rng.choice((None, rng.randint(1, 9))),
+                          shapes=[[(rng.randint(1, 3), rng.randint(1, 6)) for _ in range(4)] for _ in range(2)],
+                          salt=rng.randrange(2 ** 31), replay=configs.replay(f"moe.shared_overlap, world size {n}, drawn case {i}")))
+    return cases
+
+
+def shared_drawn_on_rank(cases: list) -> None:
+    """Each drawn case against ``shared_reference`` (one process): output, aux, z-loss, the input's
+    gradient for a random incoming gradient (random weights on aux and z-loss), this rank's routed
+    experts' gradients, the gate's and the shared experts' summed over the group; called twice."""
     from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
     rank = dist.get_rank()
     groups = groups_of_world()
+    for c in cases:
+        group_name, members, group = groups[c["group"]]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        num_experts = m * c["local"]
+        k = 1 + int(c["k_draw"] * num_experts)
+        factor, dtype, hidden, ffn, shared, width = (c[key] for key in ("factor", "dtype", "hidden", "ffn", "num_shared", "shared_ffn"))
+        seed = c["salt"] % 997
+        what = (f"moe.shared_overlap (drawn): rank {rank}, {group_name}, E={num_experts}, k={k}, capacity factor {factor}, "
+                f"{NAMES[dtype]}, H={hidden}, F={ffn}, {shared} shared of width {width} {c['replay']}")
+        layer = SharedExpertMoE(hidden, ffn, num_experts, k, factor, group=group, seed=seed, dtype=dtype,
+                                num_shared=shared, shared_ffn=width)
+        params = init_experts(num_experts, hidden, ffn, seed, dtype) + init_shared_experts(shared, hidden, width or ffn, seed, dtype)
+        for call, shapes in enumerate(c["shapes"]):
+            shapes = shapes[:m]
+            gen = torch.Generator().manual_seed(c["salt"] + call)
+            xs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True) for b, t in shapes]
+            gs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype) for b, t in shapes]
+            a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
+            where = f"{what}, call {call + 1} on inputs {shapes}"
+            ref = [p.clone().requires_grad_(True) for p in params]
+            ref_total = 0
+            for r, (x, g) in enumerate(zip(xs, gs)):
+                y, aux, z = shared_reference(x, *ref, k, factor)
+                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            layer.zero_grad()
+            x = xs[me].detach().clone().requires_grad_(True)
+            y, aux = layer(x)
+            assert y.shape == x.shape and y.dtype == dtype, f"{where}: y must be {dtype} {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}"
+            torch.autograd.backward([y, aux, layer.z_loss], [gs[me], torch.tensor(a_aux, dtype=aux.dtype),
+                                                             torch.tensor(a_z, dtype=layer.z_loss.dtype)])
+            near(y, ref_y, where + ": output = shared experts + routed experts (one process)")
+            near(aux, ref_aux, where + ": load-balancing loss")
+            near(layer.z_loss, ref_z, where + ": z-loss")
+            near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
+            mine = slice(me * c["local"], (me + 1) * c["local"])
+            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my routed experts")
+            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my routed experts")
+            ref_sw1, ref_sw2 = fused(ref[3].grad, ref[4].grad)
+            for got, want, pname in ((layer.gate, ref[0].grad, "gate"), (layer.shared_w1, ref_sw1, "shared_w1"),
+                                     (layer.shared_w2, ref_sw2, "shared_w2")):
+                assert got.grad is not None, f"{where}: {pname} got no gradient"
+                total = got.grad.clone()
+                dist.all_reduce(total, group=group)
+                near(total, want, where + f": {pname} gradient summed over the group")
+
+
+def shared_overlap_on_rank(drawn: list = ()) -> None:
+    from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
+    rank = dist.get_rank()
+    groups = groups_of_world()
+    shared_drawn_on_rank(drawn)
     overlap_function_on_rank(groups)
     with CommTracer() as tracer:  # bad input: a clear error before any communication
         for kwargs in (dict(num_shared=0), dict(num_shared=-1), dict(shared_ffn=0)):
@@ -1627,4 +1704,4 @@ def test_bias_balance(world_size):
 @task("moe.shared_overlap", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shared_overlap(world_size):
-    run_graded("moe.shared_overlap", shared_overlap_on_rank, world_size)
+    run_graded("moe.shared_overlap", shared_overlap_on_rank, world_size, draw_shared(world_size))
