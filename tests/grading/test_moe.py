@@ -127,6 +127,11 @@ momentum SGD with the gate and the shared experts frozen, on the world and the l
 against the reference's. Bad input (no shared expert, width 0) raises ValueError before any
 communication.
 
+moe.shared_overlap, drawn: 3 ``SharedExpertMoE`` cases per launch on a drawn group: E/N 1-3, k 1-E,
+dropless or a drawn factor, the four dtypes, H and F 1-9, 1-3 shared experts of width 1-9 or the
+routed width, [B, T, H] inputs of each rank's own shape (B up to 3), a random incoming gradient
+and random weights on aux and z-loss, called twice with other shapes, against ``shared_reference``.
+
 Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
 code and the reference (matmuls over other batches, gradients summed over ranks), the
 absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
