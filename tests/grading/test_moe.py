@@ -17,7 +17,7 @@ softmax are also checked on logits large enough that exp overflows (1e3 in float
 float32, 1e3 in bfloat16, 30 in float16).
 
 moe.router, drawn (``tests/grading/configs.py``: a new seed each run, ``LABKIT_SEED`` replays it,
-``LABKIT_LONG=1`` draws 200 instead of 16 per launch): T 1-17, E 1-8, k 1-E, H 1-7, the four dtypes,
+``LABKIT_LONG=1`` draws 200 instead of 24 per launch): T 1-17, E 1-8, k 1-E, H 1-7, the four dtypes,
 x row- or column-major, ordinary or saturating logits (probabilities underflowing to 0), exact
 ties (a duplicated gate row; tokens of zeros); the experts a top-k of the exact probabilities in
 order (any order among ties), and the gradients of the gate and of the tokens for random incoming
@@ -304,7 +304,7 @@ def router_on_rank(drawn: list = ()) -> None:
 
 # ----------------------------------------------------------------------------- router, drawn configurations
 
-BIG_LOGITS = {torch.float64: 300.0, torch.float32: 10.0, torch.bfloat16: 1.0, torch.float16: 1.0}  # saturating scale per dtype
+BIG_LOGITS = {torch.float64: 1000.0, torch.float32: 10.0, torch.bfloat16: 1.0, torch.float16: 1.0}  # saturating scale per dtype
 ROUTER_TIES = ("none", "duplicate expert", "zero tokens")
 
 
@@ -316,7 +316,7 @@ def draw_router(n: int) -> list:
     experts with the same gate row; tokens of zeros, every expert at 1/E)."""
     rng = configs.rng(f"moe.router:{n}")
     cases = []
-    for i in range(configs.budget(ci=16, long=200)):
+    for i in range(configs.budget(ci=24, long=200)):
         num_experts, dtype = rng.randint(1, 8), rng.choice(DTYPES)
         cases.append(dict(tokens=rng.randint(1, 17), num_experts=num_experts, k=rng.randint(1, num_experts),
                           hidden=rng.randint(1, 7), dtype=dtype, tie=rng.choice(ROUTER_TIES),
