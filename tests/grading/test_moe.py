@@ -16,11 +16,25 @@ k = 1), from the auxiliary loss (f carries none) and from the z-loss. The z-loss
 softmax are also checked on logits large enough that exp overflows (1e3 in float64 and
 float32, 1e3 in bfloat16, 30 in float16).
 
+moe.router, drawn (``tests/grading/configs.py``: a new seed each run, ``LABKIT_SEED`` replays it,
+``LABKIT_LONG=1`` draws 200 instead of 24 per launch): T 1-17, E 1-8, k 1-E, H 1-7, the four dtypes,
+x row- or column-major, ordinary or saturating logits (probabilities underflowing to 0), exact
+ties (a duplicated gate row; tokens of zeros); the experts a top-k of the exact probabilities in
+order (any order among ties), and the gradients of the gate and of the tokens for random incoming
+gradients on weights, probs, logits, aux and z-loss at once. (``route`` documents x as [T, H]:
+3-D tokens are the layer's, flattened before routing, so none is drawn here.)
+
 moe.capacity: ``expert_capacity`` against exact fractions at k = 1, 2, 3 and E, with factors
 that drop and factors that do not, C k T / E an exact integer (no rounding up) and not;
 ``keep_mask`` against a loop over choices for k = 1, 2, 3 and E, T = 7, 11, 13 tokens, some
 experts chosen by nobody, at capacities derived from factors 0.5, 1, 2 and None, and exactly
 at the boundary (the fullest expert's count: nothing dropped; one less: one choice dropped).
+
+moe.capacity, drawn: 400 (T <= 4096, E <= 64, k, C) per launch, C dyadic, tiny (1e-6 ...), two
+decimals or up to 16, more than half with C k T / E an exact integer (no rounding up; catches a
+reordered float formula), against ceil of the exact fraction; 24 keep_mask tables (E 1-8, k 1-E,
+T 1-40, skewed or not, row- or column-major) at capacities 1, drawn, from a factor, the fullest
+count, one less and None, against the loop.
 
 moe.dispatch: ``AllToAll`` and ``exchange_counts`` on the world and on subgroups (N = 3: the
 pair {0, 1} with rank 2 a bystander; N = 4: the pairs {0, 1}, {2, 3} and the 2x2 grid's
@@ -29,6 +43,13 @@ rank that sends nothing, a rank that receives nothing), a non-contiguous input, 
 backward, and exchange_counts with 1, 2 and 3 experts per rank (2: counts a strided view);
 values are exact (data movement); the trace is exactly one all-to-all forward and one
 backward in that group, of max(rows sent, received) x H x element size bytes.
+
+moe.dispatch, drawn: 8 cases per launch on a drawn group, dtype and H: two ``AllToAll`` calls
+with their own uneven splits (zeros included; half the time the same receive totals), both
+forward before one backward, random rows and random incoming gradients, row- or column-major;
+exact values both ways, the first output untouched by the second call, the trace; then
+``exchange_counts`` of drawn counts (E/N 1-3, up to 1e12, zeros, strided or not). (``AllToAll``
+documents rows [M, H]: no 3-D rows are drawn.)
 
 moe.layer: ``ExpertParallelMoE`` on the world and the same subgroups at k = 1, 2, 3 and E,
 dropless, dropping, exactly at capacity, uneven routing (experts with no token, ranks that
@@ -106,6 +127,11 @@ momentum SGD with the gate and the shared experts frozen, on the world and the l
 against the reference's. Bad input (no shared expert, width 0) raises ValueError before any
 communication.
 
+moe.shared_overlap, drawn: 3 ``SharedExpertMoE`` cases per launch on a drawn group: E/N 1-3, k 1-E,
+dropless or a drawn factor, the four dtypes, H and F 1-9, 1-3 shared experts of width 1-9 or the
+routed width, [B, T, H] inputs of each rank's own shape (B up to 3), a random incoming gradient
+and random weights on aux and z-loss, called twice with other shapes, against ``shared_reference``.
+
 Tolerances: labkit.check's per dtype; where a value is a sum reordered between the parallel
 code and the reference (matmuls over other batches, gradients summed over ranks), the
 absolute tolerance is raised to rtol x the largest |expected| of the tensor (``near``).
@@ -126,6 +152,7 @@ from torch.utils._pytree import tree_leaves
 from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, ConfinedTracer, Op, Step, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -181,9 +208,10 @@ def ref_weights(gate64, x64, experts, k):
     return chosen / chosen.sum(1, keepdim=True) if k > 1 else chosen
 
 
-def router_on_rank() -> None:
+def router_on_rank(drawn: list = ()) -> None:
     from labkit.moe import load_balancing_loss, route, router_z_loss
     rank = dist.get_rank()
+    router_drawn_on_rank(drawn)
     for dtype in DTYPES:  # logits where exp overflows: logsumexp and softmax must not
         scale = LARGE[dtype]
         what = f"moe.router: rank {rank}, {NAMES[dtype]}, logits of about {scale:g} (exp overflows)"
@@ -274,11 +302,123 @@ def router_on_rank() -> None:
         near(z_grad, ref_z_grad.to(dtype), what + ": gate gradient of the z-loss")
 
 
+# ----------------------------------------------------------------------------- router, drawn configurations
+
+BIG_LOGITS = {torch.float64: 1000.0, torch.float32: 10.0, torch.bfloat16: 1.0, torch.float16: 1.0}  # saturating scale per dtype
+ROUTER_TIES = ("none", "duplicate expert", "zero tokens")
+
+
+def draw_router(n: int) -> list:
+    """Configurations of ``route`` / ``load_balancing_loss`` / ``router_z_loss`` from their whole
+    documented space, for one launch at world size n: T 1-17 tokens, E 1-8 experts, any k from 1
+    to E, H 1-7, the four dtypes, x row- or column-major, logits of ordinary size or saturating
+    (probabilities that underflow to 0 in float64 and float32: ties at 0), and exact ties (two
+    experts with the same gate row; tokens of zeros, every expert at 1/E)."""
+    rng = configs.rng(f"moe.router:{n}")
+    cases = []
+    for i in range(configs.budget(ci=24, long=200)):
+        num_experts, dtype = rng.randint(1, 8), rng.choice(DTYPES)
+        cases.append(dict(tokens=rng.randint(1, 17), num_experts=num_experts, k=rng.randint(1, num_experts),
+                          hidden=rng.randint(1, 7), dtype=dtype, tie=rng.choice(ROUTER_TIES),
+                          scale=rng.choice((1.0, BIG_LOGITS[dtype])), column_major=rng.random() < 0.3,
+                          salt=rng.randrange(2 ** 31), replay=configs.replay(f"moe.router, world size {n}, drawn case {i}")))
+    return cases
+
+
+def router_drawn_case(c: dict, rank: int) -> None:
+    """One drawn configuration, against float64 references of the same (rounded) inputs: outputs,
+    dtypes and shapes; the experts a top-k of the exact probabilities, most probable first (any
+    order among exact ties); the weights of the experts chosen; aux and z-loss; and the gradients
+    of the gate AND of the tokens for random incoming gradients on weights, probs and logits and
+    random weights on aux and z-loss (one backward through every output)."""
+    from labkit.moe import load_balancing_loss, route, router_z_loss
+    tokens, num_experts, k, hidden, dtype = (c[key] for key in ("tokens", "num_experts", "k", "hidden", "dtype"))
+    what = (f"moe.router (drawn): rank {rank}, {NAMES[dtype]}, T={tokens}, E={num_experts}, k={k}, H={hidden}, "
+            f"ties: {c['tie']}, logit scale {c['scale']:g}{', x column-major' if c['column_major'] else ''} {c['replay']}")
+    gen = torch.Generator().manual_seed(c["salt"] + rank)
+    x64 = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
+    gate64 = torch.randn(num_experts, hidden, generator=gen, dtype=torch.float64) * c["scale"]
+    if c["tie"] == "duplicate expert" and num_experts > 1:
+        i, j = torch.randperm(num_experts, generator=gen)[:2].tolist()
+        gate64[j] = gate64[i]
+    if c["tie"] == "zero tokens":
+        x64[::2] = 0.0  # all E logits 0: every probability 1/E
+    x = x64.to(dtype)
+    if c["column_major"]:
+        x = x.t().contiguous().t()
+    x.requires_grad_(True)
+    gate = gate64.to(dtype).requires_grad_(True)
+    xd, gd = x.detach().double(), gate.detach().double()  # the inputs route sees, exactly, in float64
+    experts, weights, probs, logits = route(x, gate, k)
+    for name, t in (("weights", weights), ("probs", probs), ("logits", logits)):
+        assert isinstance(t, torch.Tensor) and t.dtype == dtype, \
+            f"{what}: {name} must be {dtype} (the dtype of x), got {getattr(t, 'dtype', type(t))}"
+    for name, t, shape in (("weights", weights, (tokens, k)), ("probs", probs, (tokens, num_experts)),
+                           ("logits", logits, (tokens, num_experts))):
+        assert tuple(t.shape) == shape, f"{what}: {name} must be {shape}, got {tuple(t.shape)}"
+    assert isinstance(experts, torch.Tensor) and experts.dtype == torch.int64 and tuple(experts.shape) == (tokens, k), \
+        f"{what}: experts must be int64 [T, k] = {(tokens, k)}, got {getattr(experts, 'dtype', type(experts))} " \
+        f"{tuple(getattr(experts, 'shape', ()))}"
+    ref_logits = xd @ gd.t()
+    ref_probs = ref_softmax(ref_logits)
+    near(logits, ref_logits.to(dtype), what + ": logits = x W^T")
+    near(probs, ref_probs.to(dtype), what + ": softmax probabilities")
+    assert ((experts >= 0) & (experts < num_experts)).all() and all(len(set(row)) == k for row in experts.tolist()), \
+        f"{what}: k distinct experts in [0, E) per token, got {experts.tolist()}"
+    mine = probs.detach().double()
+    picked = mine.gather(1, experts)
+    assert (picked[:, :-1] >= picked[:, 1:]).all(), f"{what}: experts must come most probable first, got {experts.tolist()}"
+    if k < num_experts:
+        rest = mine.scatter(1, experts, float("-inf")).max(1).values
+        assert (picked[:, -1] >= rest).all(), f"{what}: experts must be the k most probable (of your probs)"
+    near(ref_probs.gather(1, experts).to(dtype), ref_probs.topk(k, dim=1).values.to(dtype),
+         what + ": the chosen experts' exact probabilities must be the k largest (a top-k, any order among ties)")
+    near(weights, ref_weights(gd, xd, experts, k).to(dtype),
+         what + (": k = 1 weight = the chosen probability" if k == 1 else ": weights renormalised over the k chosen"))
+    aux, z = load_balancing_loss(probs, experts, num_experts), router_z_loss(logits)
+    f = torch.bincount(experts.reshape(-1), minlength=num_experts).double() / (tokens * k)
+    assert aux.dtype == dtype and aux.dim() == 0 and z.dtype == dtype and z.dim() == 0, \
+        f"{what}: aux and z-loss must be {dtype} scalars, got {aux.dtype} {tuple(aux.shape)}, {z.dtype} {tuple(z.shape)}"
+    near(aux, (num_experts * (f * ref_probs.mean(0)).sum()).to(dtype), what + ": load-balancing loss E sum f_e P_e")
+    near(z, (torch.logsumexp(ref_logits, 1) ** 2).mean().to(dtype), what + ": z-loss mean(logsumexp^2)")
+    # one backward through every output, each with its own random incoming gradient (at k = E the aux
+    # loss is the constant 1: its gradient is rounding alone, so it gets none)
+    cw, cp, cl = (torch.randn(*shape, generator=gen, dtype=torch.float64)
+                  for shape in ((tokens, k), (tokens, num_experts), (tokens, num_experts)))
+    a_aux = 0.0 if k == num_experts else torch.rand((), generator=gen, dtype=torch.float64).item() + 0.5
+    a_z = torch.rand((), generator=gen, dtype=torch.float64).item() + 0.5
+    outputs = (weights, probs, logits, aux, z)
+    for name, t in zip(("weights", "probs", "logits", "aux", "z-loss"), outputs):
+        assert t.requires_grad, f"{what}: {name} must carry a gradient to the gate and the tokens"
+    incoming = [cw.to(dtype), cp.to(dtype), cl.to(dtype), torch.tensor(a_aux, dtype=dtype), torch.tensor(a_z, dtype=dtype)]
+    gate_grad, x_grad = torch.autograd.grad(outputs, (gate, x), incoming, allow_unused=True)
+    g, xr = gd.clone().requires_grad_(True), xd.clone().requires_grad_(True)
+    r_logits = xr @ g.t()
+    r_probs = ref_softmax(r_logits)
+    r_chosen = r_probs.gather(1, experts)
+    r_weights = r_chosen / r_chosen.sum(1, keepdim=True) if k > 1 else r_chosen
+    ref_total = ((r_weights * cw).sum() + (r_probs * cp).sum() + (r_logits * cl).sum()
+                 + a_aux * num_experts * (f * r_probs.mean(0)).sum() + a_z * (torch.logsumexp(r_logits, 1) ** 2).mean())
+    ref_gate, ref_x = torch.autograd.grad(ref_total, (g, xr))
+    for name, got, want in (("gate", gate_grad, ref_gate), ("tokens x", x_grad, ref_x)):
+        assert got is not None, f"{what}: the {name} got no gradient (route is a function of both)"
+        near(got, want.to(dtype), what + f": {name} gradient for random incoming gradients on weights, probs, logits, "
+                                         f"aux (x {a_aux:.3g}) and z-loss (x {a_z:.3g})")
+
+
+def router_drawn_on_rank(cases: list) -> None:
+    rank = dist.get_rank()
+    for c in cases:
+        router_drawn_case(c, rank)
+
+
 # ----------------------------------------------------------------------------- capacity
 
-def capacity_on_rank() -> None:
+def capacity_on_rank(drawn: dict | None = None) -> None:
     from labkit.moe import expert_capacity, keep_mask
     rank = dist.get_rank()
+    if drawn:
+        capacity_drawn_on_rank(drawn)
     cases = [(12, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 0.5), (9, 8, 2, 2.0), (13, 5, 3, 1.0), (8, 4, 4, 1.0),
              (10, 4, 3, 0.2), (6, 4, 2, 0.5), (16, 4, 1, 0.25), (20, 8, 2, 1.5), (5, 5, 5, 1.0), (11, 3, 3, 0.75)]
     for tokens, experts, k, factor in cases:
@@ -324,6 +464,114 @@ def capacity_on_rank() -> None:
                 f" got  {mask.int().tolist()}\n want {want.int().tolist()}")
 
 
+# ----------------------------------------------------------------------------- capacity, drawn configurations
+
+def draw_capacity_factor(rng: random.Random) -> float:
+    """A capacity factor from the whole documented space (any float > 0): dyadic (exact in binary,
+    so C k T / E may be an exact integer), tiny (1e-6 ... 0.05: the capacity is 1), two decimals
+    (0.05 ... 4), or large (up to 16: an expert may take more than T)."""
+    kind = rng.random()
+    if kind < 0.35:
+        return rng.randint(1, 64) / 2 ** rng.randint(0, 6)
+    if kind < 0.5:
+        return rng.choice((1e-6, 1e-3, 0.01, rng.uniform(1e-6, 0.05)))
+    if kind < 0.85:
+        return round(rng.uniform(0.05, 4.0), 2)
+    return round(rng.uniform(4.0, 16.0), 1)
+
+
+def exact_capacity(tokens: int, num_experts: int, k: int, factor: float):
+    """ceil(C k T / E) with C the float's exact value, or None when the exact quotient is not an
+    integer but within 1e-9 of one (its rounding depends on the order of the float operations:
+    no implementation can be told wrong there)."""
+    q = Fraction(factor) * k * tokens / num_experts
+    if q.denominator != 1 and min(q - math.floor(q), math.ceil(q) - q) < Fraction(1, 10 ** 9) * max(q, 1):
+        return None
+    return math.ceil(q)
+
+
+def draw_capacity(n: int) -> dict:
+    """For one launch: (T, E, k, C) for ``expert_capacity``, more than half of them exact integers C k T / E,
+    most with E not dividing T (the quotient must not be rounded up), and [T, k] choice tables for
+    ``keep_mask`` (E 1-8, any k, T 1-40, skewed or not, row- or column-major) with capacities 1,
+    drawn, from a drawn factor, the fullest expert's count, one less, and None."""
+    rng = configs.rng(f"moe.capacity:{n}")
+    formula = []
+    while len(formula) < configs.budget(ci=400, long=5000):
+        num_experts = rng.randint(1, 64)
+        k = rng.randint(1, num_experts)
+        if rng.random() < 0.6:  # an exact integer: C dyadic, T a multiple of E / gcd
+            factor = rng.randint(1, 64) / 2 ** rng.randint(0, 6)
+            step = (Fraction(factor) * k / num_experts).denominator
+            tokens = step * rng.randint(1, max(1, 4096 // step))
+            if tokens > 4096:
+                continue
+        else:
+            factor, tokens = draw_capacity_factor(rng), rng.randint(1, 4096)
+        want = exact_capacity(tokens, num_experts, k, factor)
+        if want is not None:
+            formula.append((tokens, num_experts, k, factor, want))
+    masks = []
+    for i in range(configs.budget(ci=24, long=300)):
+        num_experts = rng.randint(1, 8)
+        masks.append(dict(num_experts=num_experts, k=rng.randint(1, num_experts), tokens=rng.randint(1, 40),
+                          skewed=rng.random() < 0.5, column_major=rng.random() < 0.3,
+                          capacity=rng.choice(("1", "drawn", "factor", "fullest", "fullest - 1", None)),
+                          factor=draw_capacity_factor(rng), salt=rng.randrange(2 ** 31),
+                          replay=configs.replay(f"moe.capacity, world size {n}, drawn mask {i}")))
+    return dict(formula=formula, masks=masks, replay=configs.replay(f"moe.capacity, world size {n}"))
+
+
+def loop_keep(choices: torch.Tensor, num_experts: int, capacity) -> torch.Tensor:
+    """The stated rule as a loop: each expert takes choices in (token, slot) order until full."""
+    taken, keep = [0] * num_experts, torch.zeros_like(choices, dtype=torch.bool)
+    for t in range(choices.shape[0]):
+        for j in range(choices.shape[1]):
+            e = choices[t, j].item()
+            if capacity is None or taken[e] < capacity:
+                taken[e] += 1
+                keep[t, j] = True
+    return keep
+
+
+def capacity_drawn_on_rank(drawn: dict) -> None:
+    from labkit.moe import expert_capacity, keep_mask
+    rank = dist.get_rank()
+    for tokens, num_experts, k, factor, want in drawn["formula"]:
+        got = expert_capacity(tokens, num_experts, k, factor)
+        assert isinstance(got, int) and not isinstance(got, bool) and got == want, (
+            f"moe.capacity (drawn): T={tokens}, E={num_experts}, k={k}, C={factor!r}: {got!r}, want the int "
+            f"ceil(C k T / E) = {want} (C k T / E = {float(Fraction(factor) * k * tokens / num_experts)!r}) {drawn['replay']}")
+    for c in drawn["masks"]:
+        num_experts, k, tokens = c["num_experts"], c["k"], c["tokens"]
+        gen = torch.Generator().manual_seed(c["salt"] + rank)
+        choices = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(tokens)])
+        if c["skewed"] and num_experts > 1:  # crowd expert 0: swap it into slot 0 of every other token
+            for t in range(0, tokens, 2):
+                row = choices[t]
+                where = (row == 0).nonzero()
+                if where.numel():
+                    row[where[0, 0]] = row[0].clone()
+                row[0] = 0
+        fullest = torch.bincount(choices.reshape(-1)).max().item()
+        capacity = {"1": 1, "drawn": 1 + int(torch.randint(fullest + 1, (), generator=gen)), "fullest": fullest,
+                    "fullest - 1": max(1, fullest - 1), None: None,
+                    "factor": exact_capacity(tokens, num_experts, k, c["factor"]) or 1}[c["capacity"]]
+        if c["column_major"]:
+            choices = choices.t().contiguous().t()
+        want = loop_keep(choices, num_experts, capacity)
+        what = (f"moe.capacity (drawn): keep_mask on rank {rank}, E={num_experts}, k={k}, T={tokens}, capacity {capacity} "
+                f"({c['capacity']}){', skewed' if c['skewed'] else ''}{', experts column-major' if c['column_major'] else ''} "
+                f"{c['replay']}")
+        mask = keep_mask(choices, num_experts, capacity)
+        assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.shape == choices.shape, \
+            f"{what}: keep_mask must be bool {tuple(choices.shape)}, got {getattr(mask, 'dtype', type(mask))} " \
+            f"{tuple(getattr(mask, 'shape', ()))}"
+        assert torch.equal(mask, want), (
+            f"{what}: keep_mask must keep each expert's first choices in (token, slot) order\n"
+            f" choices {choices.tolist()}\n got  {mask.int().tolist()}\n want {want.int().tolist()}")
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 D_HIDDEN = 5
@@ -334,9 +582,10 @@ PATTERNS = {  # rows group rank s sends to group rank d, of a group of m
 }
 
 
-def dispatch_on_rank() -> None:
+def dispatch_on_rank(drawn: list = ()) -> None:
     from labkit.moe import AllToAll, exchange_counts
     rank = dist.get_rank()
+    dispatch_drawn_on_rank(drawn)
     for group_name, members, group in groups_of_world():
         if rank not in members:
             continue
@@ -383,6 +632,109 @@ def dispatch_on_rank() -> None:
                 f"{what}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
             assert_sequence(tracer, [Op("all_to_all", counts.nbytes, members)],
                             what + f" (one all-to-all of the E int64 counts in group {members})")
+
+
+# ----------------------------------------------------------------------------- dispatch, drawn configurations
+
+GROUPS_AT = {1: 1, 2: 1, 3: 2, 4: 5}  # len(groups_of_world()) at each world size
+
+
+def draw_splits(rng: random.Random) -> list:
+    """[4][4] rows group rank s sends to group rank d (the top-left m x m is used): 0-5 each, a
+    third of them 0 (ranks that send or receive nothing, in whole or to some)."""
+    return [[0 if rng.random() < 0.35 else rng.randint(1, 5) for _ in range(4)] for _ in range(4)]
+
+
+def draw_dispatch(n: int) -> list:
+    """Configurations of ``AllToAll`` and ``exchange_counts`` for one launch at world size n: a group
+    of the world, a dtype, H 1-6, two calls with their own uneven splits drawn per rank (zeros
+    included; the second half the time the first's blocks re-dealt between senders, so that every
+    receiver gets the same number of rows as in the first call), a row- or column-major input and
+    incoming gradient, E/N 1-3 counts of 0 ... 1e12 (zeros included), plain or a strided view."""
+    rng = configs.rng(f"moe.dispatch:{n}")
+    cases = []
+    for i in range(configs.budget(ci=8, long=80)):
+        first = draw_splits(rng)
+        if rng.random() < 0.5:
+            order = rng.sample(range(4), 4)
+            second = [first[order[s]][:] for s in range(4)]
+        else:
+            second = draw_splits(rng)
+        local = rng.randint(1, 3)
+        cases.append(dict(group=rng.randrange(GROUPS_AT[n]), dtype=rng.choice(DTYPES), hidden=rng.randint(1, 6),
+                          splits=(first, second), strided=rng.random() < 0.4, local=local,
+                          counts=[[0 if rng.random() < 0.3 else rng.randint(1, 10 ** rng.randint(1, 12))
+                                   for _ in range(4 * local)] for _ in range(4)],
+                          counts_strided=rng.random() < 0.5, salt=rng.randrange(2 ** 31),
+                          replay=configs.replay(f"moe.dispatch, world size {n}, drawn case {i}")))
+    return cases
+
+
+def dispatch_drawn_on_rank(cases: list) -> None:
+    """Each drawn case: two ``AllToAll`` calls with their own splits, both forward before one
+    backward through both (as the layer's dispatch and combine), random rows and random incoming
+    gradients that every rank rebuilds from the case's seed: the rows received and the gradients
+    sent back exact, the first call's output unchanged by the second call, one all-to-all per call
+    each way in the group; then ``exchange_counts`` of the drawn counts, exact."""
+    from labkit.moe import AllToAll, exchange_counts
+    rank = dist.get_rank()
+    groups = groups_of_world()
+    for c in cases:
+        group_name, members, group = groups[c["group"]]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        dtype, hidden = c["dtype"], c["hidden"]
+        gen = torch.Generator().manual_seed(c["salt"])  # the same on every rank: each rebuilds every rank's rows
+        calls = []
+        for rows in c["splits"]:
+            rows = [row[:m] for row in rows[:m]]
+            xs = [torch.randn(sum(rows[s]), hidden, generator=gen, dtype=torch.float64).to(dtype) for s in range(m)]
+            gs = [torch.randn(sum(rows[s][d] for s in range(m)), hidden, generator=gen, dtype=torch.float64).to(dtype)
+                  for d in range(m)]
+            x, g = xs[me].clone(), gs[me].clone()
+            if c["strided"]:
+                x, g = x.t().contiguous().t(), g.t().contiguous().t()
+            calls.append(dict(rows=rows, xs=xs, gs=gs, x=x.requires_grad_(True), g=g,
+                              send=rows[me], recv=[rows[s][me] for s in range(m)]))
+        what = (f"moe.dispatch (drawn): AllToAll on rank {rank}, {group_name}, {NAMES[dtype]}, H={hidden}, "
+                f"call 1 sends {calls[0]['send']} receives {calls[0]['recv']}, call 2 sends {calls[1]['send']} "
+                f"receives {calls[1]['recv']}{', column-major rows and gradients' if c['strided'] else ''} {c['replay']}")
+        with CommTracer() as tracer:
+            outs = [AllToAll.apply(call["x"], call["recv"], call["send"], group) for call in calls]
+            firsts = outs[0].detach().clone()
+            torch.autograd.backward(outs, [call["g"] for call in calls])
+        for i, (call, out) in enumerate(zip(calls, outs)):
+            rows, xs, gs = call["rows"], call["xs"], call["gs"]
+            want = torch.cat([xs[s][sum(rows[s][:me]):sum(rows[s][:me + 1])] for s in range(m)])
+            assert isinstance(out, torch.Tensor) and out.dtype == dtype, f"{what}: call {i + 1}'s rows must be {dtype}"
+            assert_close(out, want, what + f": call {i + 1}: the blocks received, in group-rank order", rtol=0, atol=0)
+            back = torch.cat([gs[d][sum(rows[s][d] for s in range(me)):sum(rows[s][d] for s in range(me + 1))]
+                              for d in range(m)])
+            assert_close(call["x"].grad, back, what + f": call {i + 1}: backward sends each row's incoming gradient "
+                                                      f"back to its sender (both calls' backwards after both forwards)",
+                         rtol=0, atol=0)
+        assert_close(outs[0].detach(), firsts, what + ": call 1's rows must not change when call 2 runs (its own buffer)",
+                     rtol=0, atol=0)
+        size = hidden * torch.tensor([], dtype=dtype).element_size()
+        want_ops = [Op("all_to_all", max(sum(call["send"]), sum(call["recv"])) * size, members) for call in calls]
+        assert_ops(tracer, want_ops + want_ops, what + f" (one all-to-all per call each way, in group {members})")
+        assert [e.in_backward for e in tracer.events] == [False, False, True, True], \
+            f"{what}: two all-to-alls forward, then two in backward"
+        local = c["local"]
+        table = [torch.tensor(row[:m * local], dtype=torch.int64) for row in c["counts"][:m]]
+        counts = table[me].clone()
+        if c["counts_strided"]:
+            counts = torch.stack([counts, -counts], dim=1)[:, 0]
+        with CommTracer() as tracer:
+            got = exchange_counts(counts, group)
+        want = torch.stack([table[s][me * local:(me + 1) * local] for s in range(m)])
+        where = (f"moe.dispatch (drawn): exchange_counts on rank {rank}, {group_name}, {local} experts per rank, counts "
+                 f"{counts.tolist()}{' (a strided view)' if c['counts_strided'] else ''} {c['replay']}")
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and torch.equal(got, want), \
+            f"{where}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"
+        assert_sequence(tracer, [Op("all_to_all", m * local * 8, members)],
+                        where + f" (one all-to-all of the E int64 counts in group {members})")
 
 
 # ----------------------------------------------------------------------------- the layer
@@ -1115,10 +1467,87 @@ def overlap_function_on_rank(groups) -> None:
                                             f"matmuls run", events=[index])
 
 
-def shared_overlap_on_rank() -> None:
+def draw_shared(n: int) -> list:
+    """``SharedExpertMoE`` configurations for one launch at world size n: a group of the world, E/N
+    1-3, k 1-E, dropless or a capacity factor in (0, 2.5], the four dtypes, H and F 1-9, 1-3 shared
+    experts of width 1-9 or the routed width (None), each rank's [B, T, H] input, twice (the second
+    call of other shapes)."""
+    rng = configs.rng(f"moe.shared_overlap:{n}")
+    cases = []
+    for i in range(configs.budget(ci=3, long=30)):
+        local = rng.randint(1, 3)
+        cases.append(dict(group=rng.randrange(GROUPS_AT[n]), local=local, k_draw=rng.random(),
+                          factor=None if rng.random() < 0.4 else round(rng.uniform(0.05, 2.5), 2),
+                          dtype=rng.choice(DTYPES), hidden=rng.randint(1, 9), ffn=rng.randint(1, 9),
+                          num_shared=rng.randint(1, 3), shared_ffn=rng.choice((None, rng.randint(1, 9))),
+                          shapes=[[(rng.randint(1, 3), rng.randint(1, 6)) for _ in range(4)] for _ in range(2)],
+                          salt=rng.randrange(2 ** 31), replay=configs.replay(f"moe.shared_overlap, world size {n}, drawn case {i}")))
+    return cases
+
+
+def shared_drawn_on_rank(cases: list) -> None:
+    """Each drawn case against ``shared_reference`` (one process): output, aux, z-loss, the input's
+    gradient for a random incoming gradient (random weights on aux and z-loss), this rank's routed
+    experts' gradients, the gate's and the shared experts' summed over the group; called twice."""
     from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
     rank = dist.get_rank()
     groups = groups_of_world()
+    for c in cases:
+        group_name, members, group = groups[c["group"]]
+        if rank not in members:
+            continue
+        m, me = len(members), members.index(rank)
+        num_experts = m * c["local"]
+        k = 1 + int(c["k_draw"] * num_experts)
+        factor, dtype, hidden, ffn, shared, width = (c[key] for key in ("factor", "dtype", "hidden", "ffn", "num_shared", "shared_ffn"))
+        seed = c["salt"] % 997
+        what = (f"moe.shared_overlap (drawn): rank {rank}, {group_name}, E={num_experts}, k={k}, capacity factor {factor}, "
+                f"{NAMES[dtype]}, H={hidden}, F={ffn}, {shared} shared of width {width} {c['replay']}")
+        layer = SharedExpertMoE(hidden, ffn, num_experts, k, factor, group=group, seed=seed, dtype=dtype,
+                                num_shared=shared, shared_ffn=width)
+        params = init_experts(num_experts, hidden, ffn, seed, dtype) + init_shared_experts(shared, hidden, width or ffn, seed, dtype)
+        for call, shapes in enumerate(c["shapes"]):
+            shapes = shapes[:m]
+            gen = torch.Generator().manual_seed(c["salt"] + call)
+            xs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(True) for b, t in shapes]
+            gs = [torch.randn(b, t, hidden, generator=gen, dtype=torch.float64).to(dtype) for b, t in shapes]
+            a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
+            where = f"{what}, call {call + 1} on inputs {shapes}"
+            ref = [p.clone().requires_grad_(True) for p in params]
+            ref_total = 0
+            for r, (x, g) in enumerate(zip(xs, gs)):
+                y, aux, z = shared_reference(x, *ref, k, factor)
+                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
+                if r == me:
+                    ref_y, ref_aux, ref_z = y, aux, z
+            ref_total.backward()
+            layer.zero_grad()
+            x = xs[me].detach().clone().requires_grad_(True)
+            y, aux = layer(x)
+            assert y.shape == x.shape and y.dtype == dtype, f"{where}: y must be {dtype} {tuple(x.shape)}, got {y.dtype} {tuple(y.shape)}"
+            torch.autograd.backward([y, aux, layer.z_loss], [gs[me], torch.tensor(a_aux, dtype=aux.dtype),
+                                                             torch.tensor(a_z, dtype=layer.z_loss.dtype)])
+            near(y, ref_y, where + ": output = shared experts + routed experts (one process)")
+            near(aux, ref_aux, where + ": load-balancing loss")
+            near(layer.z_loss, ref_z, where + ": z-loss")
+            near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
+            mine = slice(me * c["local"], (me + 1) * c["local"])
+            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my routed experts")
+            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my routed experts")
+            ref_sw1, ref_sw2 = fused(ref[3].grad, ref[4].grad)
+            for got, want, pname in ((layer.gate, ref[0].grad, "gate"), (layer.shared_w1, ref_sw1, "shared_w1"),
+                                     (layer.shared_w2, ref_sw2, "shared_w2")):
+                assert got.grad is not None, f"{where}: {pname} got no gradient"
+                total = got.grad.clone()
+                dist.all_reduce(total, group=group)
+                near(total, want, where + f": {pname} gradient summed over the group")
+
+
+def shared_overlap_on_rank(drawn: list = ()) -> None:
+    from labkit.moe import SharedExpertMoE, init_experts, init_shared_experts
+    rank = dist.get_rank()
+    groups = groups_of_world()
+    shared_drawn_on_rank(drawn)
     overlap_function_on_rank(groups)
     with CommTracer() as tracer:  # bad input: a clear error before any communication
         for kwargs in (dict(num_shared=0), dict(num_shared=-1), dict(shared_ffn=0)):
@@ -1238,19 +1667,19 @@ def shared_overlap_on_rank() -> None:
 @task("moe.router", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_router(world_size):
-    run_graded("moe.router", router_on_rank, world_size)
+    run_graded("moe.router", router_on_rank, world_size, draw_router(world_size))
 
 
 @task("moe.capacity", points=1)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_capacity(world_size):
-    run_graded("moe.capacity", capacity_on_rank, world_size)
+    run_graded("moe.capacity", capacity_on_rank, world_size, draw_capacity(world_size))
 
 
 @task("moe.dispatch", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_dispatch(world_size):
-    run_graded("moe.dispatch", dispatch_on_rank, world_size)
+    run_graded("moe.dispatch", dispatch_on_rank, world_size, draw_dispatch(world_size))
 
 
 @task("moe.layer", points=3)
@@ -1280,4 +1709,4 @@ def test_bias_balance(world_size):
 @task("moe.shared_overlap", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_shared_overlap(world_size):
-    run_graded("moe.shared_overlap", shared_overlap_on_rank, world_size)
+    run_graded("moe.shared_overlap", shared_overlap_on_rank, world_size, draw_shared(world_size))

@@ -236,3 +236,51 @@ EQUIVALENT = {
                                "index_copy with the same `by_expert`, and rows within an expert are independent: "
                                "the same outputs and gradients up to summation order",
 }
+
+# Wrong implementations that the fixed cases let through and the drawn configurations
+# (issue 39: ties, saturating logits, the tokens' gradient, other splits, exact boundaries) kill.
+MUTANTS += [
+    # moe.router
+    Mutant("moe.router", "tokens_detached", "routes on x.detach() 'the router only trains the gate': the tokens get "
+           "no gradient through the gate weights",
+           find="no gradient)\n    logits = x @ gate_weight.t()\n", replace="no gradient)\n    logits = x.detach() @ gate_weight.t()\n"),
+    Mutant("moe.router", "argmax_zero_masking", "picks the k experts by repeated argmax, masking each pick with 0: "
+           "once probabilities underflow to 0 the same expert is picked again",
+           find="    weights, experts = probs.topk(k, dim=-1)\n    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n    # END SOLUTION\n\n\ndef biased_route",
+           replace="    masked, picks = probs.detach().clone(), []\n    for _ in range(k):\n"
+                   "        picks.append(masked.argmax(dim=-1))\n        masked.scatter_(-1, picks[-1].unsqueeze(-1), 0.0)\n"
+                   "    experts = torch.stack(picks, dim=-1)\n    weights = probs.gather(-1, experts)\n"
+                   "    if k > 1:\n        weights = weights / weights.sum(dim=-1, keepdim=True)\n    return experts, weights, probs, logits\n"
+                   "    # END SOLUTION\n\n\ndef biased_route"),
+]
+MUTANTS += [
+    # moe.capacity
+    Mutant("moe.capacity", "divide_first", "ceil(T / E * k * C): the same formula in another order, one row too many "
+           "where C k T / E is an exact integer and T / E is not exact in binary (T=7, E=3, k=3, C=1: 8, not 7)",
+           find="return math.ceil(capacity_factor * k * tokens / num_experts)",
+           replace="return math.ceil(tokens / num_experts * k * capacity_factor)"),
+    Mutant("moe.capacity", "view_not_reshape", "flattens the choices with view(-1): refuses a [T, k] table that is not "
+           "row-major (a transposed or sliced one)",
+           find="    flat = experts.reshape(-1)\n    one_hot", replace="    flat = experts.view(-1)\n    one_hot"),
+    Mutant("moe.capacity", "capped_at_tokens", "caps the capacity at T 'an expert never takes a token twice': the "
+           "documented ceil(C k T / E) is larger once C k > E",
+           find="return math.ceil(capacity_factor * k * tokens / num_experts)",
+           replace="return min(tokens, math.ceil(capacity_factor * k * tokens / num_experts))"),
+]
+MUTANTS += [
+    # moe.dispatch
+    Mutant("moe.dispatch", "splits_on_class", "keeps the split sizes on the class, not on ctx: right for one call "
+           "at a time, wrong once two calls (dispatch and combine) run forward before either backward",
+           find="        ctx.splits, ctx.group = (output_splits, input_splits), group\n"
+                "        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))\n"
+                "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n"
+                "        return out\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad):\n"
+                "        # BEGIN SOLUTION moe.dispatch: the same all-to-all with the split lists swapped\n"
+                "        output_splits, input_splits = ctx.splits\n",
+           replace="        AllToAll.splits, ctx.group = (output_splits, input_splits), group\n"
+                   "        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))\n"
+                   "        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)\n"
+                   "        return out\n        # END SOLUTION\n\n    @staticmethod\n    def backward(ctx, grad):\n"
+                   "        # BEGIN SOLUTION moe.dispatch: the same all-to-all with the split lists swapped\n"
+                   "        output_splits, input_splits = AllToAll.splits\n"),
+]
