@@ -60,7 +60,8 @@ Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
                     per op), group_time (which link a group uses: NVLink, or the network over k rails)
     perf.step       step_time: a layout's step, term by term (below the marker line), with
                     elementwise_bytes (memory-bound work at HBM bandwidth), flash attention, fp32
-                    gradients (Layout.grad_bytes) and overlapped TP (Layout.tp_overlap)
+                    gradients (Layout.grad_bytes), overlapped TP (Layout.tp_overlap) and TP's
+                    re-gather in backward or the gathered input kept (Layout.tp_regather)
     perf.search     search_layouts: rank the layouts of a cluster by predicted step time
 """
 
@@ -503,6 +504,11 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
 #              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
 #              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group.
+#              Layout.tp_regather (Megatron-LM, the default): each column layer's input is kept as
+#              its 1/tp shard and all-gathered again in backward, 2 more all-gathers per layer
+#              (chapter 11, section 5), and activations are Korthikanti's 34 sbh / tp; False
+#              (torch's SP plan): no re-gather, and the two gathered LayerNorm outputs are kept
+#              whole, + 4 sbh (1 - 1/tp) bytes per layer (s = s/cp, b the micro-batch)
 #              Layout.tp_overlap (collective matmul / async TP, chapter 11): only what exceeds the
 #              micro-batch's compute + recompute is exposed
 #   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
@@ -559,6 +565,8 @@ class Layout:
     flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
     grad_bytes: int = 2            # 4: gradients accumulated and reduced in fp32 (Megatron with bf16, Llama 3)
     tp_overlap: bool = False       # TP/SP collectives overlapped with the matmuls (collective matmul, async TP)
+    tp_regather: bool = True       # TP + SP keeps the input shard and all-gathers it again in backward (Megatron-LM);
+                                   # False: keeps the gathered input (torch's SP plan): less traffic, more memory
 
     @property
     def gpus(self) -> int:
@@ -569,7 +577,7 @@ class Layout:
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
                 RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash,
-                self.grad_bytes, self.tp_overlap)
+                self.grad_bytes, self.tp_overlap, self.tp_regather)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -580,6 +588,7 @@ class Layout:
         text += " flash" if self.flash else ""
         text += " fp32-grads" if self.grad_bytes == 4 else ""
         text += " tp-overlap" if self.tp_overlap else ""
+        text += " tp-keeps-gathered" if not self.tp_regather else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
@@ -637,6 +646,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
     if gpus is not None and layout.gpus != gpus:
         raise ValueError(f"perf.step: dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
                          f"= {layout.gpus} GPUs, not {gpus}")
+    if not isinstance(layout.tp_regather, bool):
+        raise ValueError(f"perf.step: tp_regather must be True or False, got {layout.tp_regather!r}")
     if layout.grad_bytes not in (2, 4):
         raise ValueError(f"perf.step: grad_bytes must be 2 (16-bit) or 4 (fp32), got {layout.grad_bytes!r}")
     if layout.zero not in (0, 1, 2, 3):
@@ -726,7 +737,9 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
     labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
     L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
-    fp32 logits, 4 (s / cp) b V / tp. Returns {"params", "grads", "optimizer", "activations",
+    fp32 logits, 4 (s / cp) b V / tp. Korthikanti's count assumes Megatron's re-gather
+    (``layout.tp_regather``); without it each layer also keeps its two gathered LayerNorm outputs
+    whole, + 4 (s / cp) b h (1 - 1/tp) bytes per layer kept (with "full", for the one layer recomputed). Returns {"params", "grads", "optimizer", "activations",
     "total"}."""
     # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
     m = _check_layout(model, layout, global_batch, None)
@@ -740,6 +753,9 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
         layers_on_rank(model, layout, rank)[0], model.seq, model.hidden, model.heads, micro=layout.microbatch,
         tp=layout.tp, cp=layout.cp, held=held, flash=layout.flash or layout.recompute == "selective",
         full=layout.recompute == "full")
+    if not layout.tp_regather:    # the two LayerNorm outputs kept whole, 2 x 2 (s/cp) b h, not their 1/tp shards
+        gathered = 4 * model.seq / layout.cp * layout.microbatch * model.hidden * (1 - 1 / layout.tp)
+        activations += gathered * (1 if layout.recompute == "full" else held * layers_on_rank(model, layout, rank)[0])
     if rank == layout.pp - 1:
         activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
     parts = {k: states[k] + expert_states[k] for k in ("params", "grads", "optimizer")}
@@ -789,8 +805,9 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     full = layout.recompute == "full"
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
     # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
-    tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
-                                           + group_time("reduce_scatter", activation, tp, 1, cluster))
+    gathers = (6 if full else 4) + (2 if layout.tp_regather else 0)     # Megatron re-gathers both column inputs
+    tp_mb = layers * (gathers * group_time("all_gather", activation, tp, 1, cluster)
+                      + (6 if full else 4) * group_time("reduce_scatter", activation, tp, 1, cluster))
     if layout.tp_overlap:     # hidden behind the micro-batch's matmuls: only the excess is on the critical path
         tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))
     kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
@@ -844,7 +861,7 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
                       max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2,
-                      tp_overlap: bool = False):
+                      tp_overlap: bool = False, tp_regather: bool = True):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -854,8 +871,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
     ``flash``: the attention kernels tried (innermost loop; default plain attention only);
-    ``grad_bytes``, ``tp_overlap``: what every layout gets (the stack's gradient precision and
-    whether it overlaps TP communication).
+    ``grad_bytes``, ``tp_overlap``, ``tp_regather``: what every layout gets (the stack's gradient
+    precision, whether it overlaps TP communication, whether it re-gathers TP inputs in backward).
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -886,7 +903,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
                                                      schedule=schedule, virtual=v, recompute=r,
                                                      uneven=model.layers % (pp * v) != 0, flash=fused,
-                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap)
+                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap,
+                                                     tp_regather=tp_regather)
     # END SOLUTION
 
 
