@@ -62,6 +62,8 @@ Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
                     elementwise_bytes (memory-bound work at HBM bandwidth), flash attention, fp32
                     gradients (Layout.grad_bytes), overlapped TP (Layout.tp_overlap) and TP's
                     re-gather in backward or the gathered input kept (Layout.tp_regather)
+                    and when each strategy's traffic hides: dp_critical_tokens (tokens per GPU above
+                    ~C/W), tp_max_degree (TP below ~F W / C), ep_min_expert_width (two regimes)
     perf.search     search_layouts: rank the layouts of a cluster by predicted step time
 """
 
@@ -850,6 +852,94 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
                     mfu=mfu(per_second, model, layout.gpus, gpu.peak_flops), layout=layout, microbatches=m,
                     memory_parts={k: memory[k] for k in ("params", "grads", "optimizer", "activations")},
                     elementwise=m * elementwise_mb)
+    # END SOLUTION
+
+
+# ============================================================ when communication hides (perf.step)
+#
+# Each strategy's traffic hides behind compute only above a size (Austin et al., "How to Scale
+# Your Model", the GPU chapter): the ratio of a GPU's FLOP/s C to the bandwidth W its group gets.
+# Derived here from the step-time table above (bandwidth terms; latencies, the attention's and
+# the output layer's extra FLOPs and element-wise work left out: they only add compute or time).
+
+
+def dp_critical_tokens(cluster: Cluster, group_size: int, stride: int = 1, zero: int = 0,
+                       grad_bytes: int = 2, experts_per_token: float = 1.0) -> float:
+    """Tokens per GPU and micro-batch (b s / cp, the tokens each GPU's parameter shard
+    multiplies) above which the data-parallel traffic of ``zero`` over ``group_size`` ranks of
+    ``stride`` hides behind the compute it overlaps with, in ``step_time``'s model. A parameter
+    costs 6 FLOPs per token (2 forward, 4 backward) and moves, per ring step of the group's
+    link (W = group_link(...).bandwidth, C = the achieved FLOP/s), (N-1)/N of its bytes:
+
+        ZeRO-0  all-reduce g x 2 (N-1)/N bytes vs the last micro-batch's backward, 4 T / C:
+                T* = (N-1)/N x (g/2) x C/W
+        ZeRO-1/2 reduce-scatter g + all-gather 2 bytes vs a micro-batch's 6 T / C:
+                T* = (N-1)/N x (g+2)/6 x C/W
+        ZeRO-3  per micro-batch 2 all-gathers (2 B) + a reduce-scatter (g) vs its 6 T / C:
+                T* = (N-1)/N x (4+g)/6 x C/W
+
+    with g = ``grad_bytes``. For 16-bit gradients ZeRO-0 and ZeRO-3 both need T > (N-1)/N C/W:
+    on H100s (C ~ 989 TFLOP/s) over rails (FSDP over whole nodes: 8 NICs of 50 GB/s) about
+    2,500 tokens; over one NIC per GPU 8 times more. ``experts_per_token``: an expert's weights
+    see only k / E of the tokens, so routed experts need E / k times more (pass E / k)."""
+    # BEGIN SOLUTION perf.step: (N-1)/N x bytes moved per parameter / FLOPs it hides behind per token x C / W (x E/k)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"perf.step: ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    if group_size < 2:
+        return 0.0
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    bandwidth = group_link(group_size, stride, cluster).bandwidth
+    ratio = {0: grad_bytes / 2, 1: (grad_bytes + _ELEMENT) / 6, 2: (grad_bytes + _ELEMENT) / 6,
+             3: (2 * _ELEMENT + grad_bytes) / 6}[zero]
+    return (group_size - 1) / group_size * ratio * experts_per_token * flops / bandwidth
+    # END SOLUTION
+
+
+def tp_max_degree(model: Model, cluster: Cluster, recompute: str = "none", regather: bool = True) -> float:
+    """The largest TP degree t (a real number) whose TP/SP collectives hide behind the
+    matmuls when overlapped (``Layout(tp_overlap=True)``), in ``step_time``'s model. Per layer
+    and token a GPU computes F / (L t) FLOPs (F = flops_per_token(model, recompute), its
+    recomputation included) and sends n all-gathers / reduce-scatters of (t-1)/t x 2 h bytes
+    over NVLink (n = 8; 12 with full recomputation; + 2 with Megatron's re-gather):
+
+        F / (L t C) = n (t-1)/t 2h / W   =>   t* = 1 + F W / (2 n h L C)
+
+    For a dense layer F / L ~ 72 h^2 = 18 h x (4h): t* - 1 ~ (18 / 2n) F_ffn W / C, about
+    F_ffn W / C (the book's "TP degree below F W / C"), with F_ffn the FFN width."""
+    # BEGIN SOLUTION perf.step: 1 + F W / (2 n h L C), n = (4 or 6) all-gathers (+2 re-gather) + (4 or 6) reduce-scatters
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    full = recompute == "full"
+    collectives = 2 * (6 if full else 4) + (2 if regather else 0)
+    per_token = flops_per_token(model, recompute)
+    return 1 + per_token * cluster.nvlink.bandwidth / (2 * collectives * model.hidden * model.layers * flops)
+    # END SOLUTION
+
+
+def ep_min_expert_width(cluster: Cluster, ep: int, stride: int = 1, gated: bool = True,
+                        recompute: str = "none") -> float:
+    """The expert FFN width above which an expert's FLOPs outweigh the all-to-alls that bring
+    it its tokens, in ``step_time``'s model (where the all-to-alls are never hidden). A routed
+    token copy costs 6 x (2 or 3 matrices) x h x F_e FLOPs and 4 all-to-alls (dispatch and
+    combine, forward and backward; 6 with full recomputation, which also runs the expert's
+    forward again: 8 per parameter) of (ep-1)/ep x 2h bytes on the EP group's link:
+
+        F_e* = a2a x (ep-1)/ep x 2 / (flops per parameter x matrices) x C / W
+
+    TWO REGIMES: an EP group inside an NVLink domain (W = NVLink) needs a few hundred of width
+    on H100s; one that spans nodes gets the network (one NIC per GPU with stride >= the node: W
+    8 to 9 times smaller), and needs a width several thousand wide — wider than DeepSeek-V3's
+    2,048, which is why it limits each token to 4 nodes and overlaps the all-to-alls."""
+    # BEGIN SOLUTION perf.step: all-to-alls x (ep-1)/ep x 2 bytes / (FLOPs per parameter x matrices) x C / W
+    if ep < 2:
+        return 0.0
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    full = recompute == "full"
+    bandwidth = group_link(ep, stride, cluster).bandwidth
+    all_to_alls, per_parameter = (6, 8) if full else (4, 6)
+    return all_to_alls * (ep - 1) / ep * _ELEMENT / (per_parameter * (3 if gated else 2)) * flops / bandwidth
     # END SOLUTION
 
 

@@ -1020,6 +1020,84 @@ def test_step_tp_regather_is_one_choice_for_traffic_and_memory():
         step_time(_dense(), Layout(tp=2, tp_regather="no"), cluster, 4)
 
 
+def _scaled(cluster, factor):
+    """``cluster`` with both link classes ``factor`` times faster (every group's bandwidth scales)."""
+    return replace(cluster, nvlink=replace(cluster.nvlink, bandwidth=cluster.nvlink.bandwidth * factor),
+                   network=replace(cluster.network, bandwidth=cluster.network.bandwidth * factor))
+
+
+_SIDE = 0.02      # the checks sit 2 % on either side of the predicted threshold
+
+
+@task("perf.step", points=2)
+def test_thresholds_are_where_step_time_exposes_communication():
+    """dp_critical_tokens, tp_max_degree and ep_min_expert_width against step_time itself:
+    each threshold is proportional to C / W (t* - 1 for TP), so the links are scaled to put a
+    layout 2 % above, then 2 % below its threshold, and step_time must hide the strategy's
+    traffic on one side and expose it on the other. DP (every ZeRO stage, 16-bit and fp32
+    gradients, groups inside a node, over rails and over a shared NIC): dp_exposed = 0 above,
+    > 0 below (the model's attention FLOPs, which the 6-FLOPs-a-parameter count leaves out, are
+    computed and allowed for). TP (tp 2, 4, 8; every recomputation mode; with and without the
+    re-gather): overlapped tp_comm = 0 below t*, > 0 above. EP (inside a node, over rails, over
+    one NIC a GPU; gated or not; with and without full recomputation): the routed experts'
+    compute, measured from step_time as the slope of compute in the expert width, is above the
+    all-to-alls' ep_comm above F_e* and below it under."""
+    from labkit.perf import Layout, Model, dp_critical_tokens, ep_min_expert_width, step_time, \
+        tp_max_degree
+    # data parallelism: a tied model, whose every parameter a token multiplies (6 FLOPs each)
+    model = Model(layers=2, hidden=512, heads=8, vocab=512, seq=16, tied=True, name="tied")
+    slack = 12 * model.layers * model.hidden * model.seq / (6 * model.active_params())   # attention's FLOPs
+    for rails in (True, False):
+        base = _cluster(nvlink=(0.0, 40e9), network=(0.0, 3e9), per_node=4, rails=rails)
+        for dp, tp in ((8, 1), (4, 2), (2, 2), (4, 1), (2, 4)):
+            for zero, grads, b in itertools.product((0, 1, 2, 3), (2, 4), (1, 4)):
+                layout = Layout(dp=dp, tp=tp, zero=zero, grad_bytes=grads, microbatch=b)
+                tokens = b * model.seq                                  # tokens each GPU's shard multiplies
+                critical = dp_critical_tokens(base, dp, tp, zero, grads)
+                where = f"perf.step: dp_critical_tokens({dp} ranks, stride {tp}, ZeRO-{zero}, {grads}-byte grads, " \
+                        f"rails={rails}) = {critical:.4g}"
+                for side, target in (("above", tokens / (1 + _SIDE)), ("below", tokens * (1 + slack) * (1 + _SIDE))):
+                    cluster = _scaled(base, critical / target)         # now the threshold is `target` tokens
+                    st = step_time(model, layout, cluster, 4 * dp * b)
+                    assert (st.dp_exposed == 0) == (side == "above"), \
+                        f"{where}: {tokens} tokens a GPU, 2 % {side} the threshold, yet step_time's dp_exposed " \
+                        f"is {st.dp_exposed:.3g} s of {st.dp_comm:.3g} s"
+    _close(dp_critical_tokens(base, 8, 1, 3, experts_per_token=4), 4 * dp_critical_tokens(base, 8, 1, 3),
+           "perf.step: dp_critical_tokens(experts_per_token=E/k): routed experts see k/E of the tokens")
+    assert dp_critical_tokens(base, 1) == 0, "perf.step: dp_critical_tokens of one rank (nothing to reduce)"
+    # tensor parallelism, overlapped: hidden below t*, exposed above
+    model = _dense(heads=8)
+    base = _cluster(nvlink=(0.0, 40e9), per_node=8)
+    for recompute, regather, tp in itertools.product(RECOMPUTE_MODES, (True, False), (2, 4, 8)):
+        degree = tp_max_degree(model, base, recompute, regather)
+        layout = Layout(tp=tp, recompute=recompute, tp_regather=regather, tp_overlap=True)
+        where = f"perf.step: tp_max_degree(recompute={recompute}, regather={regather}) = {degree:.4g}, tp={tp}"
+        for side, target in (("below", tp * (1 + _SIDE)), ("above", tp / (1 + _SIDE))):
+            cluster = _scaled(base, (target - 1) / (degree - 1))      # now t* = target
+            st = step_time(model, layout, cluster, 4)
+            assert (st.tp_comm == 0) == (side == "below"), \
+                f"{where}: tp 2 % {side} t*, yet step_time's overlapped tp_comm is {st.tp_comm:.3g} s"
+    # expert parallelism: the experts' compute (slope in the expert width) against the all-to-alls
+    for gated, recompute, (dp, ep, tp) in itertools.product((True, False), ("none", "full"),
+                                                            ((2, 2, 1), (8, 8, 1), (8, 4, 1), (2, 2, 4))):
+        moe = _moe(gated=gated, shared_experts=0, dense_layers=0, experts=8)
+        base = _cluster(nvlink=(0.0, 40e9), network=(0.0, 3e9), per_node=4)
+        layout = Layout(dp=dp, ep=ep, tp=tp, recompute=recompute, zero=0)
+        width = ep_min_expert_width(base, ep, tp, gated, recompute)
+        where = f"perf.step: ep_min_expert_width(ep={ep}, stride {tp}, gated={gated}, {recompute}) = {width:.4g}"
+        for side, target in (("above", 128 / (1 + _SIDE)), ("below", 128 * (1 + _SIDE))):
+            cluster = _scaled(base, width / target)                    # now F_e* = target; the experts are 128 wide
+            st1, st2 = (step_time(replace(moe, expert_ffn=f), layout, cluster, 2 * dp) for f in (128, 256))
+            experts = (st2.compute + st2.recompute) - (st1.compute + st1.recompute)   # the 128 extra = the 128 there
+            assert (experts > st1.ep_comm) == (side == "above"), \
+                f"{where}: experts 2 % {side} F_e*, yet their compute is {experts:.4g} s against " \
+                f"{st1.ep_comm:.4g} s of all-to-alls"
+    assert ep_min_expert_width(base, 1) == 0, "perf.step: ep_min_expert_width of one rank (no all-to-all)"
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 @task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks
