@@ -1065,6 +1065,8 @@ def test_thresholds_are_where_step_time_exposes_communication():
     _close(dp_critical_tokens(base, 8, 1, 3, experts_per_token=4), 4 * dp_critical_tokens(base, 8, 1, 3),
            "perf.step: dp_critical_tokens(experts_per_token=E/k): routed experts see k/E of the tokens")
     assert dp_critical_tokens(base, 1) == 0, "perf.step: dp_critical_tokens of one rank (nothing to reduce)"
+    with pytest.raises(ValueError):
+        dp_critical_tokens(base, 8, 1, zero=4)
     # tensor parallelism, overlapped: hidden below t*, exposed above
     model = _dense(heads=8)
     base = _cluster(nvlink=(0.0, 40e9), per_node=8)
