@@ -910,7 +910,6 @@ _TP_SPANS_NODES = ("rank {rank}: the model's fastest, {best}, is {gain} faster: 
                    "reduction outside an NVLink domain; the README's table is weak scaling at dp = 48, not a "
                    "search")
 SEARCH_REASONS: dict[str, str] = {
-    "Megatron-Core GPT-1.7B, 48 H100": _TP_SPANS_NODES,
     "Megatron-Core GPT-119B, 1536 H100": _TP_SPANS_NODES,
     "Megatron-Core GPT-314B, 3072 H100": _TP_SPANS_NODES,
     "Megatron-Core GPT-462B, 6144 H100": _TP_SPANS_NODES,
