@@ -60,7 +60,10 @@ Tasks (run ``labkit grade perf``; tests in ``tests/grading/test_perf.py``):
                     per op), group_time (which link a group uses: NVLink, or the network over k rails)
     perf.step       step_time: a layout's step, term by term (below the marker line), with
                     elementwise_bytes (memory-bound work at HBM bandwidth), flash attention, fp32
-                    gradients (Layout.grad_bytes) and overlapped TP (Layout.tp_overlap)
+                    gradients (Layout.grad_bytes), overlapped TP (Layout.tp_overlap) and TP's
+                    re-gather in backward or the gathered input kept (Layout.tp_regather)
+                    and when each strategy's traffic hides: dp_critical_tokens (tokens per GPU above
+                    ~C/W), tp_max_degree (TP below ~F W / C), ep_min_expert_width (two regimes)
     perf.search     search_layouts: rank the layouts of a cluster by predicted step time
 """
 
@@ -503,6 +506,11 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #              4 all-gathers and 4 reduce-scatters of the (s/cp) b h activation (2 + 2 in each of
 #              the attention and MLP halves, forward and backward: the bytes of chapter 05's 4
 #              all-reduces), 6 + 6 when full recomputation runs the forward again; on the TP group.
+#              Layout.tp_regather (Megatron-LM, the default): each column layer's input is kept as
+#              its 1/tp shard and all-gathered again in backward, 2 more all-gathers per layer
+#              (chapter 11, section 5), and activations are Korthikanti's 34 sbh / tp; False
+#              (torch's SP plan): no re-gather, and the two gathered LayerNorm outputs are kept
+#              whole, + 4 sbh (1 - 1/tp) bytes per layer (s = s/cp, b the micro-batch)
 #              Layout.tp_overlap (collective matmul / async TP, chapter 11): only what exceeds the
 #              micro-batch's compute + recompute is exposed
 #   cp_comm    ring attention (chapter 07): per layer, cp - 1 sends of the rank's K and V forward,
@@ -559,6 +567,8 @@ class Layout:
     flash: bool = False            # fused (flash) attention: no s x s scores in HBM, its backward recomputes them
     grad_bytes: int = 2            # 4: gradients accumulated and reduced in fp32 (Megatron with bf16, Llama 3)
     tp_overlap: bool = False       # TP/SP collectives overlapped with the matmuls (collective matmul, async TP)
+    tp_regather: bool = True       # TP + SP keeps the input shard and all-gathers it again in backward (Megatron-LM);
+                                   # False: keeps the gathered input (torch's SP plan): less traffic, more memory
 
     @property
     def gpus(self) -> int:
@@ -569,7 +579,7 @@ class Layout:
         return (self.dp, self.tp, self.pp, self.cp, self.ep, self.zero, self.microbatch,
                 SCHEDULES.index(self.schedule) if self.schedule in SCHEDULES else -1, self.virtual,
                 RECOMPUTE.index(self.recompute) if self.recompute in RECOMPUTE else -1, self.uneven, self.flash,
-                self.grad_bytes, self.tp_overlap)
+                self.grad_bytes, self.tp_overlap, self.tp_regather)
 
     def __str__(self) -> str:
         text = f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -580,6 +590,7 @@ class Layout:
         text += " flash" if self.flash else ""
         text += " fp32-grads" if self.grad_bytes == 4 else ""
         text += " tp-overlap" if self.tp_overlap else ""
+        text += " tp-keeps-gathered" if not self.tp_regather else ""
         return text + (f" recompute={self.recompute}" if self.recompute != "none" else "")
 
 
@@ -637,6 +648,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
     if gpus is not None and layout.gpus != gpus:
         raise ValueError(f"perf.step: dp {layout.dp} x tp {layout.tp} x pp {layout.pp} x cp {layout.cp} "
                          f"= {layout.gpus} GPUs, not {gpus}")
+    if not isinstance(layout.tp_regather, bool):
+        raise ValueError(f"perf.step: tp_regather must be True or False, got {layout.tp_regather!r}")
     if layout.grad_bytes not in (2, 4):
         raise ValueError(f"perf.step: grad_bytes must be 2 (16-bit) or 4 (fp32), got {layout.grad_bytes!r}")
     if layout.zero not in (0, 1, 2, 3):
@@ -726,7 +739,9 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     the ZeRO stage over the dp x cp ranks (the experts' over dp x cp / ep); activations from
     labkit.budget.korthikanti_activation_bytes (tensor + sequence parallel, s / cp tokens) for
     L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
-    fp32 logits, 4 (s / cp) b V / tp. Returns {"params", "grads", "optimizer", "activations",
+    fp32 logits, 4 (s / cp) b V / tp. Korthikanti's count assumes Megatron's re-gather
+    (``layout.tp_regather``); without it each layer also keeps its two gathered LayerNorm outputs
+    whole, + 4 (s / cp) b h (1 - 1/tp) bytes per layer kept (with "full", for the one layer recomputed). Returns {"params", "grads", "optimizer", "activations",
     "total"}."""
     # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
     m = _check_layout(model, layout, global_batch, None)
@@ -740,6 +755,9 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
         layers_on_rank(model, layout, rank)[0], model.seq, model.hidden, model.heads, micro=layout.microbatch,
         tp=layout.tp, cp=layout.cp, held=held, flash=layout.flash or layout.recompute == "selective",
         full=layout.recompute == "full")
+    if not layout.tp_regather:    # the two LayerNorm outputs kept whole, 2 x 2 (s/cp) b h, not their 1/tp shards
+        gathered = 4 * model.seq / layout.cp * layout.microbatch * model.hidden * (1 - 1 / layout.tp)
+        activations += gathered * (1 if layout.recompute == "full" else held * layers_on_rank(model, layout, rank)[0])
     if rank == layout.pp - 1:
         activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
     parts = {k: states[k] + expert_states[k] for k in ("params", "grads", "optimizer")}
@@ -789,8 +807,9 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     full = layout.recompute == "full"
     activation = model.seq / cp * layout.microbatch * model.hidden * _ELEMENT   # bytes, one layer's input
     # a group of one rank costs nothing (group_time is 0): no guards needed for tp, cp, pp, ep = 1
-    tp_mb = layers * (6 if full else 4) * (group_time("all_gather", activation, tp, 1, cluster)
-                                           + group_time("reduce_scatter", activation, tp, 1, cluster))
+    gathers = (6 if full else 4) + (2 if layout.tp_regather else 0)     # Megatron re-gathers both column inputs
+    tp_mb = layers * (gathers * group_time("all_gather", activation, tp, 1, cluster)
+                      + (6 if full else 4) * group_time("reduce_scatter", activation, tp, 1, cluster))
     if layout.tp_overlap:     # hidden behind the micro-batch's matmuls: only the excess is on the critical path
         tp_mb = max(0.0, tp_mb - (compute_mb + recompute_mb))
     kv_bytes = 2 * model.seq / cp * layout.microbatch * -(-model.kv_heads_ // tp) * model.head_size * _ELEMENT
@@ -836,6 +855,94 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     # END SOLUTION
 
 
+# ============================================================ when communication hides (perf.step)
+#
+# Each strategy's traffic hides behind compute only above a size (Austin et al., "How to Scale
+# Your Model", the GPU chapter): the ratio of a GPU's FLOP/s C to the bandwidth W its group gets.
+# Derived here from the step-time table above (bandwidth terms; latencies, the attention's and
+# the output layer's extra FLOPs and element-wise work left out: they only add compute or time).
+
+
+def dp_critical_tokens(cluster: Cluster, group_size: int, stride: int = 1, zero: int = 0,
+                       grad_bytes: int = 2, experts_per_token: float = 1.0) -> float:
+    """Tokens per GPU and micro-batch (b s / cp, the tokens each GPU's parameter shard
+    multiplies) above which the data-parallel traffic of ``zero`` over ``group_size`` ranks of
+    ``stride`` hides behind the compute it overlaps with, in ``step_time``'s model. A parameter
+    costs 6 FLOPs per token (2 forward, 4 backward) and moves, per ring step of the group's
+    link (W = group_link(...).bandwidth, C = the achieved FLOP/s), (N-1)/N of its bytes:
+
+        ZeRO-0  all-reduce g x 2 (N-1)/N bytes vs the last micro-batch's backward, 4 T / C:
+                T* = (N-1)/N x (g/2) x C/W
+        ZeRO-1/2 reduce-scatter g + all-gather 2 bytes vs a micro-batch's 6 T / C:
+                T* = (N-1)/N x (g+2)/6 x C/W
+        ZeRO-3  per micro-batch 2 all-gathers (2 B) + a reduce-scatter (g) vs its 6 T / C:
+                T* = (N-1)/N x (4+g)/6 x C/W
+
+    with g = ``grad_bytes``. For 16-bit gradients ZeRO-0 and ZeRO-3 both need T > (N-1)/N C/W:
+    on H100s (C ~ 989 TFLOP/s) over rails (FSDP over whole nodes: 8 NICs of 50 GB/s) about
+    2,500 tokens; over one NIC per GPU 8 times more. ``experts_per_token``: an expert's weights
+    see only k / E of the tokens, so routed experts need E / k times more (pass E / k)."""
+    # BEGIN SOLUTION perf.step: (N-1)/N x bytes moved per parameter / FLOPs it hides behind per token x C / W (x E/k)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"perf.step: ZeRO stage must be 0, 1, 2 or 3, got {zero!r}")
+    if group_size < 2:
+        return 0.0
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    bandwidth = group_link(group_size, stride, cluster).bandwidth
+    ratio = {0: grad_bytes / 2, 1: (grad_bytes + _ELEMENT) / 6, 2: (grad_bytes + _ELEMENT) / 6,
+             3: (2 * _ELEMENT + grad_bytes) / 6}[zero]
+    return (group_size - 1) / group_size * ratio * experts_per_token * flops / bandwidth
+    # END SOLUTION
+
+
+def tp_max_degree(model: Model, cluster: Cluster, recompute: str = "none", regather: bool = True) -> float:
+    """The largest TP degree t (a real number) whose TP/SP collectives hide behind the
+    matmuls when overlapped (``Layout(tp_overlap=True)``), in ``step_time``'s model. Per layer
+    and token a GPU computes F / (L t) FLOPs (F = flops_per_token(model, recompute), its
+    recomputation included) and sends n all-gathers / reduce-scatters of (t-1)/t x 2 h bytes
+    over NVLink (n = 8; 12 with full recomputation; + 2 with Megatron's re-gather):
+
+        F / (L t C) = n (t-1)/t 2h / W   =>   t* = 1 + F W / (2 n h L C)
+
+    For a dense layer F / L ~ 72 h^2 = 18 h x (4h): t* - 1 ~ (18 / 2n) F_ffn W / C, about
+    F_ffn W / C (the book's "TP degree below F W / C"), with F_ffn the FFN width."""
+    # BEGIN SOLUTION perf.step: 1 + F W / (2 n h L C), n = (4 or 6) all-gathers (+2 re-gather) + (4 or 6) reduce-scatters
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    full = recompute == "full"
+    collectives = 2 * (6 if full else 4) + (2 if regather else 0)
+    per_token = flops_per_token(model, recompute)
+    return 1 + per_token * cluster.nvlink.bandwidth / (2 * collectives * model.hidden * model.layers * flops)
+    # END SOLUTION
+
+
+def ep_min_expert_width(cluster: Cluster, ep: int, stride: int = 1, gated: bool = True,
+                        recompute: str = "none") -> float:
+    """The expert FFN width above which an expert's FLOPs outweigh the all-to-alls that bring
+    it its tokens, in ``step_time``'s model (where the all-to-alls are never hidden). A routed
+    token copy costs 6 x (2 or 3 matrices) x h x F_e FLOPs and 4 all-to-alls (dispatch and
+    combine, forward and backward; 6 with full recomputation, which also runs the expert's
+    forward again: 8 per parameter) of (ep-1)/ep x 2h bytes on the EP group's link:
+
+        F_e* = a2a x (ep-1)/ep x 2 / (flops per parameter x matrices) x C / W
+
+    TWO REGIMES: an EP group inside an NVLink domain (W = NVLink) needs a few hundred of width
+    on H100s; one that spans nodes gets the network (one NIC per GPU with stride >= the node: W
+    8 to 9 times smaller), and needs a width several thousand wide — wider than DeepSeek-V3's
+    2,048, which is why it limits each token to 4 nodes and overlaps the all-to-alls."""
+    # BEGIN SOLUTION perf.step: all-to-alls x (ep-1)/ep x 2 bytes / (FLOPs per parameter x matrices) x C / W
+    if ep < 2:
+        return 0.0
+    gpu = cluster.gpu
+    flops = gpu.achieved_flops or gpu.peak_flops
+    full = recompute == "full"
+    bandwidth = group_link(ep, stride, cluster).bandwidth
+    all_to_alls, per_parameter = (6, 8) if full else (4, 6)
+    return all_to_alls * (ep - 1) / ep * _ELEMENT / (per_parameter * (3 if gated else 2)) * flops / bandwidth
+    # END SOLUTION
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -844,7 +951,7 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                       microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
                       max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2,
-                      tp_overlap: bool = False):
+                      tp_overlap: bool = False, tp_regather: bool = True):
     """Every layout the search considers, in a fixed order: tp, cp, pp, ep over the divisors
     that split the GPUs, heads, sequence, layers and experts (tp <= max_tp, cp <= max_cp, ep <=
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
@@ -854,8 +961,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
     ``flash``: the attention kernels tried (innermost loop; default plain attention only);
-    ``grad_bytes``, ``tp_overlap``: what every layout gets (the stack's gradient precision and
-    whether it overlaps TP communication).
+    ``grad_bytes``, ``tp_overlap``, ``tp_regather``: what every layout gets (the stack's gradient
+    precision, whether it overlaps TP communication, whether it re-gathers TP inputs in backward).
     Layouts that ``step_time`` refuses are not generated."""
     # BEGIN SOLUTION perf.search: nested loops over tp | gpus, cp | rest, pp | rest, dp = rest, ep | dp; zero, microbatch, schedule (+virtual), recompute; skip what step_time would refuse
     for tp in _divisors(gpus):
@@ -886,7 +993,8 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=z, microbatch=b,
                                                      schedule=schedule, virtual=v, recompute=r,
                                                      uneven=model.layers % (pp * v) != 0, flash=fused,
-                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap)
+                                                     grad_bytes=grad_bytes, tp_overlap=tp_overlap,
+                                                     tp_regather=tp_regather)
     # END SOLUTION
 
 

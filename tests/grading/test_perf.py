@@ -665,9 +665,13 @@ def test_step_communication_terms_on_the_right_links():
                 tp, cp, pp, v, b = layout.tp, layout.cp, layout.pp, layout.virtual, layout.microbatch
                 full = layout.recompute == "full"
                 act = model.seq // cp * b * model.hidden * e            # one layer's activation on a CP rank
-                # TP + SP: the bytes of 4 all-reduces of the activation per layer (6 with full recompute)
+                # TP + SP: the bytes of 4 all-reduces of the activation per layer (6 with full recompute),
+                # and Megatron's re-gather (the default) all-gathers both column layers' inputs again in backward
                 want = m * model.layers // pp * (6 if full else 4) * collective_time("all_reduce", act, tp, link(tp, 1))
-                _close(st.tp_comm, want, f"{where}: tp_comm")
+                regather = m * model.layers // pp * 2 * collective_time("all_gather", act, tp, link(tp, 1))
+                _close(st.tp_comm, want + regather, f"{where}: tp_comm (re-gather in backward)")
+                kept = step_time(model, replace(layout, tp_regather=False), cluster, batch)
+                _close(kept.tp_comm, want, f"{where}, tp_regather=False: tp_comm (the gathered input kept)")
                 # ring attention: K and V of s/cp tokens, cp-1 hops forward, twice that backward (+1 full)
                 kv = 2 * model.seq // cp * b * max(model.kv_heads_ // tp, 1) * model.head_size * e
                 want = m * model.layers // pp * (cp - 1) * (4 if full else 3) * collective_time("send", kv, cp, link(cp, tp))
@@ -834,6 +838,8 @@ def test_step_tp_traffic_equals_traced_sequence_parallel_block():
     16-bit activations): every all-gather and reduce-scatter moves the B x T x H activation."""
     from labkit.course.grading import run_graded
     traced = run_graded("perf.step", _sp_block_traffic_on_rank, 2)
+    # torch's plan keeps the gathered input: Layout(tp_regather=False); Megatron's re-gather adds
+    # one all-gather per column layer (QKV, the MLP's first) in backward, as traced ones cost
     # The learner's step_time runs in a rank too: the judge's process imports no submission.
     run_graded("perf.step", _tp_comm_matches_traced, 1, traced)
 
@@ -849,10 +855,15 @@ def _tp_comm_matches_traced(traced) -> None:
             kinds = sorted({kind for kind, _, _ in events})
             assert kinds == ["all_gather", "reduce_scatter"] and all(b == activation for _, b, _ in events), \
                 f"{where}: test set-up: torch's SP block traced {events}"
-            st = step_time(model, Layout(tp=2, microbatch=_SP_B, zero=0, recompute=recompute), cluster, _SP_B)
+            layout = Layout(tp=2, microbatch=_SP_B, zero=0, recompute=recompute, tp_regather=False)
+            st = step_time(model, layout, cluster, _SP_B)
             sent = sum(wire for _, _, wire in events) * 2 / 4            # fp32 traced, 16-bit modelled
-            _close(st.tp_comm, sent, f"{where}: tp_comm on a 1 byte/s link vs the bytes the traced layer sent "
-                                     f"({len(events)} collectives)")
+            _close(st.tp_comm, sent, f"{where}, tp_regather=False: tp_comm on a 1 byte/s link vs the bytes the "
+                                     f"traced layer (torch's plan) sent ({len(events)} collectives)")
+            gather = next(wire for kind, _, wire in events if kind == "all_gather") * 2 / 4
+            st = step_time(model, replace(layout, tp_regather=True), cluster, _SP_B)
+            _close(st.tp_comm, sent + 2 * gather, f"{where}, tp_regather=True: tp_comm vs the traced bytes + "
+                                                  f"2 re-gathers")
 
 
 @task("perf.step", points=2)
@@ -955,6 +966,140 @@ def test_step_tp_overlap_exposes_only_the_excess():
                 ("part of it exposed" if exposed else "all of it hidden")
 
 
+@task("perf.step", points=1)
+def test_step_tp_regather_is_one_choice_for_traffic_and_memory():
+    """Layout(tp_regather=...): ONE implementation of TP + SP for both traffic and memory
+    (chapter 11, section 5). True (Megatron-LM): each column layer keeps its input's 1/tp shard
+    and all-gathers it again in backward (2 more all-gathers per layer and micro-batch, also
+    with full recomputation), and the activations are Korthikanti's 34 sbh/tp. False (torch's
+    plan): no re-gather, and the two column layers' gathered inputs are kept whole, + 2 x 2 (s/cp)
+    b h (1 - 1/tp) bytes per layer kept (per layer x in-flight micro-batch; with full
+    recomputation only in the one layer being recomputed); no difference at tp = 1."""
+    from labkit import budget
+    # in_flight is checked against a simulation of the schedule (test_step_pipeline_matches_a_simulation...)
+    from labkit.perf import Layout, collective_time, in_flight, layers_on_rank, memory_per_gpu, step_time
+    cluster, e = _cluster(), 2
+    for model in (_dense(), _moe()):
+        for base in (Layout(tp=2), Layout(tp=4, recompute="full", microbatch=2), Layout(tp=2, pp=2, cp=2, flash=True),
+                     Layout(dp=2, tp=2, pp=4, recompute="selective", schedule="interleaved", virtual=2),
+                     Layout(pp=2, microbatch=2), Layout(tp=4, pp=2, recompute="full")):
+            m = 8
+            batch = m * base.dp * base.microbatch
+            mega, kept = (replace(base, tp_regather=flag) for flag in (True, False))
+            where = f"perf.step: {model.name} {base}"
+            st_mega, st_kept = step_time(model, mega, cluster, batch), step_time(model, kept, cluster, batch)
+            act = model.seq // base.cp * base.microbatch * model.hidden * e
+            layers = max(layers_on_rank(model, base, r)[0] for r in range(base.pp))
+            _close(st_mega.tp_comm - st_kept.tp_comm, m * layers * 2 * collective_time("all_gather", act, base.tp,
+                                                                                         cluster.nvlink),
+                   f"{where}: tp_comm(re-gather) - tp_comm(gathered input kept) = 2 all-gathers per layer")
+            _close(_terms(st_kept), st_kept.total, f"{where}, tp_regather=False: total vs the sum of its terms")
+            for rank in range(base.pp):
+                a, b = (memory_per_gpu(model, layout, batch, rank) for layout in (mega, kept))
+                mine = layers_on_rank(model, base, rank)[0]
+                held = 1 if base.recompute == "full" else in_flight(
+                    base.schedule, base.pp, m, base.virtual, rank) * mine
+                # chapter 11: the gathered input of each of the 2 column layers, (1 - 1/tp) of it beyond the shard
+                extra = held * 2 * (model.seq / base.cp * base.microbatch * model.hidden * e) * (1 - 1 / base.tp)
+                _close(b["activations"] - a["activations"], extra,
+                       f"{where}, rank {rank}: activations without the re-gather - with it")
+                want = budget.korthikanti_activation_bytes(
+                    mine, model.seq, model.hidden, model.heads, micro=base.microbatch, tp=base.tp, cp=base.cp,
+                    held=in_flight(base.schedule, base.pp, m, base.virtual, rank),
+                    flash=base.flash or base.recompute == "selective", full=base.recompute == "full")
+                if rank == base.pp - 1:
+                    want += 4 * model.seq / base.cp * base.microbatch * model.vocab / base.tp
+                _close(a["activations"], want, f"{where}, rank {rank}, tp_regather=True: Korthikanti's activations")
+                _close(b["total"], b["params"] + b["grads"] + b["optimizer"] + b["activations"],
+                       f"{where}, rank {rank}: total memory")
+            assert (st_kept.memory > st_mega.memory) == (base.tp > 1), \
+                f"{where}: memory {st_kept.memory:.4g} (gathered kept) vs {st_mega.memory:.4g} (re-gather)"
+            assert (st_kept.tp_comm < st_mega.tp_comm) == (base.tp > 1), \
+                f"{where}: tp_comm {st_kept.tp_comm:.4g} (gathered kept) vs {st_mega.tp_comm:.4g} (re-gather)"
+    with pytest.raises(ValueError):
+        step_time(_dense(), Layout(tp=2, tp_regather="no"), cluster, 4)
+
+
+def _scaled(cluster, factor):
+    """``cluster`` with both link classes ``factor`` times faster (every group's bandwidth scales)."""
+    return replace(cluster, nvlink=replace(cluster.nvlink, bandwidth=cluster.nvlink.bandwidth * factor),
+                   network=replace(cluster.network, bandwidth=cluster.network.bandwidth * factor))
+
+
+_SIDE = 0.02      # the checks sit 2 % on either side of the predicted threshold
+
+
+@task("perf.step", points=2)
+def test_thresholds_are_where_step_time_exposes_communication():
+    """dp_critical_tokens, tp_max_degree and ep_min_expert_width against step_time itself:
+    each threshold is proportional to C / W (t* - 1 for TP), so the links are scaled to put a
+    layout 2 % above, then 2 % below its threshold, and step_time must hide the strategy's
+    traffic on one side and expose it on the other. DP (every ZeRO stage, 16-bit and fp32
+    gradients, groups inside a node, over rails and over a shared NIC): dp_exposed = 0 above,
+    > 0 below (the model's attention FLOPs, which the 6-FLOPs-a-parameter count leaves out, are
+    computed and allowed for). TP (tp 2, 4, 8; every recomputation mode; with and without the
+    re-gather): overlapped tp_comm = 0 below t*, > 0 above. EP (inside a node, over rails, over
+    one NIC a GPU; gated or not; with and without full recomputation): the routed experts'
+    compute, measured from step_time as the slope of compute in the expert width, is above the
+    all-to-alls' ep_comm above F_e* and below it under."""
+    from labkit.perf import Layout, Model, dp_critical_tokens, ep_min_expert_width, step_time, \
+        tp_max_degree
+    # data parallelism: a tied model, whose every parameter a token multiplies (6 FLOPs each)
+    model = Model(layers=2, hidden=512, heads=8, vocab=512, seq=16, tied=True, name="tied")
+    slack = 12 * model.layers * model.hidden * model.seq / (6 * model.active_params())   # attention's FLOPs
+    for rails in (True, False):
+        base = _cluster(nvlink=(0.0, 40e9), network=(0.0, 3e9), per_node=4, rails=rails)
+        for dp, tp in ((8, 1), (4, 2), (2, 2), (4, 1), (2, 4)):
+            for zero, grads, b in itertools.product((0, 1, 2, 3), (2, 4), (1, 4)):
+                layout = Layout(dp=dp, tp=tp, zero=zero, grad_bytes=grads, microbatch=b)
+                tokens = b * model.seq                                  # tokens each GPU's shard multiplies
+                critical = dp_critical_tokens(base, dp, tp, zero, grads)
+                where = f"perf.step: dp_critical_tokens({dp} ranks, stride {tp}, ZeRO-{zero}, {grads}-byte grads, " \
+                        f"rails={rails}) = {critical:.4g}"
+                for side, target in (("above", tokens / (1 + _SIDE)), ("below", tokens * (1 + slack) * (1 + _SIDE))):
+                    cluster = _scaled(base, critical / target)         # now the threshold is `target` tokens
+                    st = step_time(model, layout, cluster, 4 * dp * b)
+                    assert (st.dp_exposed == 0) == (side == "above"), \
+                        f"{where}: {tokens} tokens a GPU, 2 % {side} the threshold, yet step_time's dp_exposed " \
+                        f"is {st.dp_exposed:.3g} s of {st.dp_comm:.3g} s"
+    _close(dp_critical_tokens(base, 8, 1, 3, experts_per_token=4), 4 * dp_critical_tokens(base, 8, 1, 3),
+           "perf.step: dp_critical_tokens(experts_per_token=E/k): routed experts see k/E of the tokens")
+    assert dp_critical_tokens(base, 1) == 0, "perf.step: dp_critical_tokens of one rank (nothing to reduce)"
+    with pytest.raises(ValueError):
+        dp_critical_tokens(base, 8, 1, zero=4)
+    # tensor parallelism, overlapped: hidden below t*, exposed above
+    model = _dense(heads=8)
+    base = _cluster(nvlink=(0.0, 40e9), per_node=8)
+    for recompute, regather, tp in itertools.product(RECOMPUTE_MODES, (True, False), (2, 4, 8)):
+        degree = tp_max_degree(model, base, recompute, regather)
+        layout = Layout(tp=tp, recompute=recompute, tp_regather=regather, tp_overlap=True)
+        where = f"perf.step: tp_max_degree(recompute={recompute}, regather={regather}) = {degree:.4g}, tp={tp}"
+        for side, target in (("below", tp * (1 + _SIDE)), ("above", tp / (1 + _SIDE))):
+            cluster = _scaled(base, (target - 1) / (degree - 1))      # now t* = target
+            st = step_time(model, layout, cluster, 4)
+            assert (st.tp_comm == 0) == (side == "below"), \
+                f"{where}: tp 2 % {side} t*, yet step_time's overlapped tp_comm is {st.tp_comm:.3g} s"
+    # expert parallelism: the experts' compute (slope in the expert width) against the all-to-alls
+    for gated, recompute, (dp, ep, tp) in itertools.product((True, False), ("none", "full"),
+                                                            ((2, 2, 1), (8, 8, 1), (8, 4, 1), (2, 2, 4))):
+        moe = _moe(gated=gated, shared_experts=0, dense_layers=0, experts=8)
+        base = _cluster(nvlink=(0.0, 40e9), network=(0.0, 3e9), per_node=4)
+        layout = Layout(dp=dp, ep=ep, tp=tp, recompute=recompute, zero=0)
+        width = ep_min_expert_width(base, ep, tp, gated, recompute)
+        where = f"perf.step: ep_min_expert_width(ep={ep}, stride {tp}, gated={gated}, {recompute}) = {width:.4g}"
+        for side, target in (("above", 128 / (1 + _SIDE)), ("below", 128 * (1 + _SIDE))):
+            cluster = _scaled(base, width / target)                    # now F_e* = target; the experts are 128 wide
+            st1, st2 = (step_time(replace(moe, expert_ffn=f), layout, cluster, 2 * dp) for f in (128, 256))
+            experts = (st2.compute + st2.recompute) - (st1.compute + st1.recompute)   # the 128 extra = the 128 there
+            assert (experts > st1.ep_comm) == (side == "above"), \
+                f"{where}: experts 2 % {side} F_e*, yet their compute is {experts:.4g} s against " \
+                f"{st1.ep_comm:.4g} s of all-to-alls"
+    assert ep_min_expert_width(base, 1) == 0, "perf.step: ep_min_expert_width of one rank (no all-to-all)"
+
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
 @task("perf.step", points=2)
 def test_step_uneven_stages():
     """Layers that pp x v does not divide: refused unless Layout(uneven=True); then the chunks
@@ -985,7 +1130,9 @@ def test_step_uneven_stages():
             _close(st.compute, flops_per_token(model) * tokens / 2 * fullest / model.layers / 50e12,
                    f"{where}: compute of the fullest rank ({fullest} layers)")
             act = model.seq * layout.microbatch * model.hidden * 2
-            _close(st.tp_comm, m * fullest * 4 * collective_time("all_reduce", act, 2, cluster.nvlink), f"{where}: tp_comm")
+            _close(st.tp_comm, m * fullest * (4 * collective_time("all_reduce", act, 2, cluster.nvlink)
+                                              + 2 * collective_time("all_gather", act, 2, cluster.nvlink)),
+                   f"{where}: tp_comm (with Megatron's re-gather)")
             per_mb = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
             timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
             _close(st.total, timeline.makespan, f"{where}: step vs the simulated makespan at the fullest rank's pace")
@@ -1131,6 +1278,12 @@ def test_search_candidates_are_every_valid_layout():
         bounded = list(candidate_layouts(model, 16, 32, **{"max_cp": None, f"max_{axis}": limit}))
         want = [layout for layout in every if getattr(layout, axis) <= limit]
         assert bounded == want, f"perf.search: max_{axis}={limit}: {len(bounded)} candidates, expected {len(want)}"
+    # the stack's options reach every layout: Megatron's TP re-gather (the default) or torch's plan
+    for flag in (True, False):
+        got = list(candidate_layouts(model, 16, 32, max_cp=None, tp_regather=flag))
+        want = [replace(layout, tp_regather=flag) for layout in every]
+        assert got == want, f"perf.search: candidate_layouts(tp_regather={flag}) yields other layouts " \
+                            f"({sorted({layout.tp_regather for layout in got})} for tp_regather)"
 
 
 _SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved")
