@@ -73,10 +73,12 @@ def submissions() -> dict[str, tuple[str, str]]:
 
 
 # (score, tasks that must score nothing): chapter 00 carries 11 points, one per test at world
-# sizes 2-4 and on subgroups, the hidden one included; world size 1 is a diagnostic.
+# sizes 2-4 and on subgroups, the hidden one included; world size 1 is a diagnostic. The
+# all-reduce has its own reduce-scatter pass (in place, on a view of its chunks), so a
+# reduce-scatter that exits costs only its own 3 points: 11 - 3 = 8.
 MAX_SCORE = 11
 EXPECTED = {"reference": (11, set()), "stub": (0, {"reduce_scatter", "all_gather", "all_reduce"}),
-            "hang": (3, {"all_gather", "all_reduce"}), "kill": (3, {"reduce_scatter", "all_reduce"})}
+            "hang": (3, {"all_gather", "all_reduce"}), "kill": (8, {"reduce_scatter"})}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
