@@ -123,6 +123,9 @@ def run_cli(*args, cwd=ROOT):
 ], ids=["typo", "json-folder", "json-under-a-file", "coverage-task-typo", "coverage-chapter-typo",
         "mutate-task-typo", "mutate-chapter-typo"])
 def test_labkit_refuses_bad_input_at_once_with_exit_2(args, says, tmp_path):
+    from labkit.course.workspace import is_student_workspace
+    if args[0] in ("coverage", "mutate") and is_student_workspace():
+        pytest.skip("coverage and mutate refuse a learner workspace before reading names (tests/test_workspace.py)")
     # A typo is never a green "1 of 1 tasks at 100 %" or "0 killed of 0" (issue 43 item 3).
     file = tmp_path / "a-file"
     file.write_text("")
