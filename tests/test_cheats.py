@@ -201,8 +201,14 @@ def test_as_root_the_ranks_run_as_another_user_and_leave_nothing(tmp_path):
     if python is None:
         pytest.skip("needs root and a system Python of this version (the isolation Gradescope gets)")
     from labkit.course import judge
+    from labkit.runtime import sandbox
     judge.isolation(tmp_path)  # creates the user; lets it read tmp_path
     os.chmod(tmp_path, 0o755)
+    import pwd
+    entry = pwd.getpwnam(judge.STUDENT_USER)
+    if sandbox.unreadable_by(entry.pw_uid, entry.pw_gid, [str(ROOT)]):
+        pytest.skip(f"{ROOT} is not readable by another user (a workspace under pytest's 0700 tmp); "
+                    "test_an_unreadable_course_is_refused_before_any_rank_starts covers that case")
     secret = tmp_path / "root-only"
     secret.mkdir(mode=0o700)
     script = tmp_path / "judge_script.py"
@@ -238,6 +244,23 @@ def test_as_root_the_ranks_run_as_another_user_and_leave_nothing(tmp_path):
     assert f"RANKS [({uid}, False), ({uid}, False)]" in proc.stdout, proc.stdout
     assert "LEFT []" in proc.stdout, proc.stdout
     assert not (secret / "report.json").exists()
+
+
+def test_an_unreadable_course_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("needs root (the ranks drop to another user only then)")
+    from labkit.course import judge
+    from labkit.launch import launch
+    from labkit.runtime import sandbox
+    judge.isolation(tmp_path)
+    hidden = tmp_path / "private"
+    (hidden / "labkit").mkdir(parents=True)
+    hidden.chmod(0o700)
+    monkeypatch.setenv("LABKIT_JUDGE", "1")
+    monkeypatch.setenv("LABKIT_JUDGE_USER", judge.STUDENT_USER)
+    monkeypatch.setattr(sandbox, "__file__", str(hidden / "labkit" / "runtime" / "sandbox.py"))
+    with pytest.raises(PermissionError, match=f"{judge.STUDENT_USER}.*cannot read {hidden / 'labkit'}"):
+        launch(os.getpid, 2, timeout=30)
 
 
 @needs_solutions

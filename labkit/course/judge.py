@@ -64,28 +64,11 @@ def isolation(scratch: Path) -> dict[str, str]:
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
                         STUDENT_USER], check=True, capture_output=True)
-    if not _user_can_run(STUDENT_USER, [sys.executable, *sys.path]):
+    entry = pwd.getpwnam(STUDENT_USER)
+    if sandbox.unreadable_by(entry.pw_uid, entry.pw_gid, [sys.executable, *sys.path]):
         return {}  # e.g. a Python under /root: the ranks could not import it (README says so)
     os.chmod(scratch, 0o755)  # TemporaryDirectory makes it 0700: the ranks must read the tree
     return {USER_ENV: STUDENT_USER}
-
-
-def _user_can_run(name: str, paths: list[str]) -> bool:
-    """Whether user ``name`` can read this Python and its import path (checked as that user)."""
-    import pwd
-    entry = pwd.getpwnam(name)
-    paths = [p for p in paths if p and os.path.exists(p)]  # as root: what is there at all
-    ok = False
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setgroups([])
-            os.setgid(entry.pw_gid)
-            os.setuid(entry.pw_uid)
-            ok = all(os.access(p, os.R_OK) for p in paths)
-        finally:
-            os._exit(0 if ok else 1)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 # ----------------------------------------------------------------------------- the pytest plugin

@@ -219,6 +219,7 @@ def launch(fn, world_size, *args, backend="auto", timeout=120.0, detect_deadlock
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"max_restarts must be a non-negative int, got {max_restarts!r}")
     payload = _serialise(fn, args, kwargs)  # fails here, before any process starts
+    sandbox.check_student_can_run()
     rpc_options = dict(rpc_timeout=rpc_timeout or timeout + 60) if rpc else None
     for restart in range(max_restarts + 1):
         try:

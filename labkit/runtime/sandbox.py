@@ -64,6 +64,43 @@ def student() -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
+def unreadable_by(uid: int, gid: int, paths: list[str]) -> list[str]:
+    """Which of ``paths`` (those that exist) user ``uid`` cannot read, checked as that user in a
+    forked child: a folder under a 0700 parent (pytest's tmp, /root) is unreadable too."""
+    paths = [p for p in dict.fromkeys(paths) if p and os.path.exists(p)]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write_end, json.dumps([p for p in paths if not os.access(p, os.R_OK)]).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(answer) if answer else list(paths)
+
+
+def check_student_can_run() -> None:
+    """Before any rank starts: a rank drops to the student's user after it is forked (Python and
+    torch already loaded), then imports the course's modules, the submission among them. That
+    user must read the folder ``labkit`` lives in, or every rank dies at that import."""
+    ids = student()
+    if ids is None:
+        return
+    course = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../labkit
+    if unreadable_by(*ids, [course]):
+        raise PermissionError(
+            f"the ranks run as user {os.environ[USER_ENV]!r} (LABKIT_JUDGE_USER), which cannot read "
+            f"{course}: put the course where that user can read it (not under /root or a 0700 "
+            "folder), or unset LABKIT_JUDGE_USER")
+
+
 def hand_over(rundir: str) -> None:
     ids = student()
     if ids is not None:
