@@ -2,7 +2,8 @@
 must lose all of its task's points (``labkit.course.mutants``).
 
 The chapters' mutants run in two pytest processes side by side (a launch mostly waits on
-its ranks), each mutant stopping at its first failing test. The summary line
+its ranks), split by the cost recorded in ``tests/mutants/first.json``, each mutant trying
+first the test that killed it last time and stopping at its first failing test. The summary line
 ``mutants killed: K of M`` is printed at the end of the session (``tests/conftest.py``).
 """
 
@@ -21,19 +22,29 @@ SUMMARY = ROOT / "build" / "mutants-summary.txt"
 pytestmark = needs_solutions  # the mutants are edits of the reference solutions
 
 
-def run_halves(files: list[Path], tmp_path: Path) -> list[dict]:
-    halves = [files[0::2], files[1::2]]
+RECORD = ROOT / "build" / "mutants-first.json"   # this run's record; tests/mutants/first.json is the committed one
+
+
+def run_in_parallel(groups: list[list[str]], tmp_path: Path) -> list[dict]:
+    """One pytest process per group of chapter modules (a launch mostly waits on its ranks)."""
     procs = []
-    for n, half in enumerate(h for h in halves if h):
+    for n, group in enumerate(groups):
         report = tmp_path / f"mutants-{n}.json"
-        cmd = [sys.executable, "-m", "pytest", *map(str, half), "--mutants", f"--mutants-report={report}",
+        files = [str(ROOT / "tests" / "grading" / f"test_{m}.py") for m in group]
+        cmd = [sys.executable, "-m", "pytest", *files, "--mutants", f"--mutants-report={report}",
                "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--tb=no", "-p", "no:xdist"]
         log = open(tmp_path / f"mutants-{n}.log", "w")
         procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                        env=dict(os.environ, PYTHONPATH=str(ROOT))), report, log))
     fates = []
     for proc, report, log in procs:
-        proc.wait(timeout=1200)
+        try:
+            proc.wait(timeout=2400)
+        except subprocess.TimeoutExpired:
+            for other, _, _ in procs:
+                other.kill()
+            raise AssertionError(f"the mutants of {groups} took over 40 minutes; the end of one log:\n"
+                                 + (tmp_path / log.name).read_text()[-3000:]) from None
         log.close()
         assert report.exists(), (tmp_path / log.name).read_text()[-4000:]
         fates += json.loads(report.read_text())
@@ -47,15 +58,22 @@ def test_every_mutant_loses_its_task(tmp_path):
     per_task = {t: [m for m in known if m.task == t] for t in tasks if t.split(".")[0] in covered}
     thin = sorted(t for t, ms in per_task.items() if len(ms) < 2)
     assert not thin, f"every graded task needs at least two mutants; too few for {thin}"
-    modules = sorted({m.module for m in known}, key=lambda m: list(grading.CHAPTERS.values()).index(m))
-    files = [ROOT / "tests" / "grading" / f"test_{m}.py" for m in modules]
+    modules = sorted(covered, key=lambda m: list(grading.CHAPTERS.values()).index(m))
+    record = mutants.load_record(ROOT)
+    groups = mutants.balance(modules, known, record["seconds"], parts=2)
     start = time.monotonic()
-    fates = run_halves(files, tmp_path)
+    fates = run_in_parallel(groups, tmp_path)
     elapsed = time.monotonic() - start
     killed = [f for f in fates if f["killed"]]
-    lines = [f"mutants killed: {len(killed)} of {len(known)} ({elapsed:.0f} s)"]
+    as_recorded = sum(record["first"].get(f["mutant"]) == f["by"] for f in killed)
+    lines = [f"mutants killed: {len(killed)} of {len(known)} ({elapsed:.0f} s; "
+             f"{as_recorded} by the test that killed them last time)"]
+    if as_recorded < len(killed):
+        lines.append(f"  to try this run's killers first next time: cp {RECORD.relative_to(ROOT)} "
+                     f"{mutants.FIRST_FILE}")
     lines += [f"  SURVIVED {f['mutant']}: {f['why']}" for f in fates if not f["killed"]]
     SUMMARY.parent.mkdir(exist_ok=True)
     SUMMARY.write_text("\n".join(lines) + "\n")
+    RECORD.write_text(json.dumps(mutants.record_of(fates), indent=1, sort_keys=True) + "\n")
     assert {f["mutant"] for f in fates} == {m.id for m in known}, "a mutant did not run"
     assert len(killed) == len(known), "\n".join(lines)

@@ -180,11 +180,19 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=[i for i in items if i not in keep])
         items[:] = keep
     if config.getoption("--mutants"):
-        # One mutant at a time, its world-size-1 diagnostics last: it stops at its first failure.
+        # One mutant at a time, stopping at its first failure: the test that killed it last
+        # time first (labkit.course.mutants.load_record), its world-size-1 diagnostics last.
+        from labkit.course import mutants
+        first = mutants.load_record(Path(str(config.rootpath)))["first"]
         keep = [i for i in items if _mutant_of(i) is not None]
         config.hook.pytest_deselected(items=[i for i in items if _mutant_of(i) is None])
         order = {id(i): n for n, i in enumerate(keep)}
-        keep.sort(key=lambda i: (_mutant_of(i).id, _world_size(i) == 1, order[id(i)]))
+
+        def key(item):
+            mutant = _mutant_of(item)
+            listed = first.get(mutant.id) == item.nodeid.split("::", 1)[-1]
+            return mutant.id, not listed, _world_size(item) == 1, order[id(item)]
+        keep.sort(key=key)
         items[:] = keep
 
 
@@ -318,7 +326,8 @@ def pytest_runtest_makereport(item, call):
 
 def _mutant_fate(config, mutant, item, report, call) -> None:
     fate = config._labkit_fates.setdefault(mutant.id, dict(mutant=mutant.id, task=mutant.task, why=mutant.why,
-                                                           killed=False, by="", tests=0))
+                                                           killed=False, by="", tests=0, seconds=0.0))
+    fate["seconds"] += report.duration
     if report.when == "call" or report.failed:
         fate["tests"] += report.when == "call"
     if report.failed and not fate["killed"]:

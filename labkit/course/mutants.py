@@ -97,6 +97,50 @@ def write_source(mutant: Mutant, root: Path) -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- the last run's record
+#
+# A mutant dies at its first failing test, so its cost is the tests it passes first. The last
+# run's killers (``tests/mutants/first.json``: the test that killed each mutant, and the seconds
+# its tests took) let the next run try that test first and split the chapters into processes of
+# equal cost. Only the order changes: a mutant is killed when any test of its task fails, as
+# before; a stale record makes a run slower, never another verdict.
+
+FIRST_FILE = Path("tests") / "mutants" / "first.json"
+
+
+def load_record(root: Path) -> dict:
+    """``{"first": {mutant id: test}, "seconds": {mutant id: s}}`` of the last recorded run."""
+    import json
+    path = root / FIRST_FILE
+    record = json.loads(path.read_text()) if path.exists() else {}
+    return {"first": record.get("first", {}), "seconds": record.get("seconds", {})}
+
+
+def record_of(fates: list[dict]) -> dict:
+    """What ``load_record`` reads, from a run's fates (the ``--mutants-report`` JSON)."""
+    return {"first": {f["mutant"]: f["by"] for f in sorted(fates, key=lambda f: f["mutant"]) if f["killed"]},
+            "seconds": {f["mutant"]: round(f.get("seconds", 0.0), 1)
+                        for f in sorted(fates, key=lambda f: f["mutant"])}}
+
+
+def balance(modules: list[str], mutants: list[Mutant], seconds: dict[str, float], parts: int) -> list[list[str]]:
+    """The chapter modules in ``parts`` groups of about equal recorded cost (largest first, each
+    to the cheapest group); a mutant with no record counts as the median one."""
+    known = sorted(seconds.values())
+    typical = known[len(known) // 2] if known else 1.0
+    cost = {m: 0.0 for m in modules}
+    for mutant in mutants:
+        if mutant.module in cost:
+            cost[mutant.module] += seconds.get(mutant.id, typical)
+    groups = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for module in sorted(modules, key=lambda m: -cost[m]):
+        cheapest = load.index(min(load))
+        groups[cheapest].append(module)
+        load[cheapest] += cost[module]
+    return [g for g in groups if g]
+
+
 # ----------------------------------------------------------------------------- swapping in
 
 

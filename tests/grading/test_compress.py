@@ -77,7 +77,6 @@ start) keeps its identity.
 import datetime
 import gc
 import itertools
-import os
 import random
 import time
 
@@ -89,25 +88,14 @@ import torch.nn as nn
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 WORLD_SIZES = [1, 3, 4]
 # Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
 # and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws many more.
-LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
-SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+LONG = configs.LONG
 SAMPLES = 20 if LONG else 2
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def announce_seed(test: str) -> int:
-    print(f"{test}: {SAMPLES} sampled configurations per world size from seed {SEED} "
-          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
-    return SEED
-
-
-def sampler(seed: int, test: str) -> random.Random:
-    """The same stream on every rank (the configurations must agree), another per test."""
-    return random.Random(f"{seed}/{test}")
 
 
 def random_groups(rng: random.Random) -> tuple[list[int], object]:
@@ -312,7 +300,7 @@ def fp16_sampled(seed: int) -> None:
     within its rounding bound, a value of the 16-bit type cast back, the buffer's dtype kept; one
     all-reduce of numel x 2 bytes in the 16-bit type over the group."""
     from labkit.compress import FlatBucket, compress_hook
-    rng, rank = sampler(seed, "fp16"), dist.get_rank()
+    rng, rank = configs.stream(seed, "fp16"), dist.get_rank()
     for sample in range(SAMPLES):
         members, group = random_groups(rng)
         size = len(members)
@@ -565,7 +553,7 @@ def powersgd_sampled(seed: int) -> None:
     the P and Q of a bucket are the same tensors step after step, updated in place."""
     from labkit.compress import FlatBucket, PowerSGDState, powersgd_elements, powersgd_hook
     from labkit.oracles import builtin_powersgd
-    rng, rank = sampler(seed, "powersgd"), dist.get_rank()
+    rng, rank = configs.stream(seed, "powersgd"), dist.get_rank()
     for sample in range(SAMPLES):
         members, group = random_groups(rng)
         dtype = rng.choice([torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -745,7 +733,7 @@ def topk_sampled(seed: int) -> None:
     two all-gathers over the group, N k int64 indices and N k values in the bucket's dtype; the
     error is kept in the bucket's dtype, on its device."""
     from labkit.compress import FlatBucket, TopKState, topk_count, topk_hook
-    rng, rank = sampler(seed, "topk"), dist.get_rank()
+    rng, rank = configs.stream(seed, "topk"), dist.get_rank()
     for sample in range(SAMPLES):
         members, group = random_groups(rng)
         size = len(members)
@@ -953,7 +941,7 @@ def hierarchical_sampled(seed: int) -> None:
     NodeGroups with other shapes: equal to ``dist.all_reduce``, the result in the tensor itself,
     the three steps traced over the right groups with the padded sizes."""
     from labkit.compress import NodeGroups, hierarchical_all_reduce
-    rng, rank, world = sampler(seed, "hierarchical"), dist.get_rank(), dist.get_world_size()
+    rng, rank, world = configs.stream(seed, "hierarchical"), dist.get_rank(), dist.get_world_size()
     layouts = [(m, world // m) for m in range(1, world + 1) if world % m == 0]
     for sample in range(SAMPLES):
         nodes, per_node = rng.choice(layouts)
@@ -992,7 +980,7 @@ def hierarchical_checks(seed: int) -> None:
 @task("compress.fp16", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fp16(world_size):
-    run_graded("compress.fp16", fp16_on_rank, world_size, announce_seed("compress.fp16"), timeout=120)
+    run_graded("compress.fp16", fp16_on_rank, world_size, configs.announce("compress.fp16"), timeout=120)
 
 
 @task("compress.powersgd", points=1)
@@ -1010,19 +998,19 @@ def test_powersgd_vs_torch(world_size):
 @task("compress.powersgd", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_powersgd_error_feedback(world_size):
-    run_graded("compress.powersgd", powersgd_by_hand, world_size, announce_seed("compress.powersgd"), timeout=180)
+    run_graded("compress.powersgd", powersgd_by_hand, world_size, configs.announce("compress.powersgd"), timeout=180)
 
 
 @task("compress.topk", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_topk(world_size):
-    run_graded("compress.topk", topk_by_hand, world_size, announce_seed("compress.topk"), timeout=180)
+    run_graded("compress.topk", topk_by_hand, world_size, configs.announce("compress.topk"), timeout=180)
 
 
 @task("compress.hierarchical", points=2)
 @pytest.mark.parametrize("world_size", [1, 3, 4, 6])
 def test_hierarchical(world_size):
-    run_graded("compress.hierarchical", hierarchical_checks, world_size, announce_seed("compress.hierarchical"), timeout=180)
+    run_graded("compress.hierarchical", hierarchical_checks, world_size, configs.announce("compress.hierarchical"), timeout=180)
 
 
 # ----------------------------------------------------------------------------- hooks on the chapter-02 DDP
@@ -1302,7 +1290,7 @@ def cm_sampled(seed: int, column: bool) -> None:
     B 1-3, sequence T a multiple of the group's size): output and the gradients of a random
     incoming gradient equal one process's (and the whole trace: the ring over the group)."""
     from labkit.compress import AllGatherColumnLinear, MatmulReduceScatterLinear
-    rng, rank = sampler(seed, "ag_matmul" if column else "matmul_rs"), dist.get_rank()
+    rng, rank = configs.stream(seed, "ag_matmul" if column else "matmul_rs"), dist.get_rank()
     for sample in range(SAMPLES):
         members, group = random_groups(rng)
         size, me = len(members), members.index(rank)
@@ -1476,13 +1464,13 @@ def matmul_rs_on_rank(seed: int) -> None:
 @task("compress.ag_matmul", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ag_matmul(world_size):
-    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, announce_seed("compress.ag_matmul"), timeout=120)
+    run_graded("compress.ag_matmul", ag_matmul_on_rank, world_size, configs.announce("compress.ag_matmul"), timeout=120)
 
 
 @task("compress.matmul_rs", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_matmul_rs(world_size):
-    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, announce_seed("compress.matmul_rs"), timeout=120)
+    run_graded("compress.matmul_rs", matmul_rs_on_rank, world_size, configs.announce("compress.matmul_rs"), timeout=120)
 # ============================================================================= end of collective matmul
 
 
@@ -1637,7 +1625,7 @@ def local_sgd_sampled(seed: int) -> None:
     and every parameter keeps its dtype."""
     from labkit.check import tolerance
     from labkit.compress import LocalSGD
-    rng, rank = sampler(seed, "local_sgd"), dist.get_rank()
+    rng, rank = configs.stream(seed, "local_sgd"), dist.get_rank()
     for sample in range(SAMPLES):
         members, group = random_groups(rng)
         h, width, inner = rng.randint(1, 5), rng.randint(1, 6), rng.choice(["adamw", "sgd"])
@@ -1718,5 +1706,5 @@ def local_sgd_on_rank(seed: int) -> None:
 @task("compress.local_sgd", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_local_sgd(world_size):
-    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, announce_seed("compress.local_sgd"), timeout=180)
+    run_graded("compress.local_sgd", local_sgd_on_rank, world_size, configs.announce("compress.local_sgd"), timeout=180)
 # ============================================================================= end of local SGD

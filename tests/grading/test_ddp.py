@@ -68,6 +68,8 @@ from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
 from labkit.oracles import builtin_ddp
+from tests.grading import configs
+from tests.grading.configs import Drawn, DrawnMLP, draw_model, draw_partition, mlp_data, mlp_loss
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
@@ -114,8 +116,10 @@ def one_thread(fn, *args) -> None:
     fn(*args)
 
 
-def make_model(kind: str) -> torch.nn.Module:
-    """Identical on every rank: seeded weights."""
+def make_model(kind) -> torch.nn.Module:
+    """Identical on every rank: seeded weights. ``kind``: a name, or a ``Drawn`` model."""
+    if isinstance(kind, Drawn):
+        return DrawnMLP(kind)
     if kind == "toy":
         return ToyModel(seed=0)  # tied `shared`, frozen `frozen`, unused `unused`, buffer `scale`
     if kind == "mixed":
@@ -125,13 +129,17 @@ def make_model(kind: str) -> torch.nn.Module:
     return model
 
 
-def make_data(kind: str, samples: int):
+def make_data(kind, samples: int):
+    if isinstance(kind, Drawn):
+        return mlp_data(kind, samples)
     if kind in ("toy", "mixed"):
         return regression(samples, 8, 8, seed=1)
     return markov_tokens(samples, GPT_CONFIG.block_size, GPT_CONFIG.vocab_size, seed=1)
 
 
-def loss_of(kind: str, model, x, y) -> torch.Tensor:
+def loss_of(kind, model, x, y) -> torch.Tensor:
+    if isinstance(kind, Drawn):
+        return mlp_loss(kind, model, x, y)
     return toy_loss(model, x, y) if kind in ("toy", "mixed") else model(x, y)[1]
 
 
@@ -178,16 +186,25 @@ def expected_all_reduce_bytes(model, ddp_kwargs, got_grad) -> list[int]:
     if ddp_kwargs["bucket_cap_mb"] is None:
         return sorted(p.numel() * p.element_size() for p in params if got_grad[p])
     cap = int(ddp_kwargs["bucket_cap_mb"] * 2 ** 20)
-    sizes, size, dtype = [], 0, None
-    for p in reversed(params):
-        if size and p.dtype != dtype:
-            sizes.append(size)
-            size = 0
-        size, dtype = size + p.numel() * p.element_size(), p.dtype
+    return [sum(params[i].numel() * params[i].element_size() for i in bucket)
+            for bucket in expected_buckets(params, cap)]
+
+
+def expected_buckets(params, cap: int) -> list[list[int]]:
+    """The indices of ``params`` in each bucket, in launch order: assign_buckets' documented
+    rule written out again (reverse order; a dtype change starts a bucket; close one once it
+    holds >= cap bytes)."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(params))):
+        if current and params[i].dtype != params[current[0]].dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += params[i].numel() * params[i].element_size()
         if size >= cap:
-            sizes.append(size)
-            size = 0
-    return sizes + ([size] if size else [])
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
 
 
 def check_grads(task_id: str, where: str, model, other, against: str, rtol=None, atol=None) -> None:
@@ -261,9 +278,13 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
     """On every rank: STEPS optimizer steps of ours, the built-in and the reference, compared.
     ``groups``: a partition of the world, one model per group (None: one over the world)."""
     from labkit.ddp import DDP
-    kind, ddp_kwargs = CASES[case]
-    # float32 parameters feed float64 ones: every value carries float32 rounding.
-    tol = tolerance(torch.float32) if kind == "mixed" else (None, None)
+    kind, ddp_kwargs = CASES[case] if isinstance(case, str) else case  # a name, or (Drawn, kwargs)
+    drawn = isinstance(kind, Drawn)
+    case = kind.label if drawn else case
+    # float32 parameters feed float64 ones: every value carries float32 rounding. The drawn
+    # models' gradients are O(1) sums that may cancel to 1e-5: an absolute 2e-5 (float32's
+    # rounding of the terms over 5 steps) besides the relative 1e-5.
+    tol = tolerance(torch.float32) if kind == "mixed" else (1e-5, 2e-5) if drawn else (None, None)
     group, members = own_group(groups)
     rank = dist.get_rank()
     n, me = len(members), members.index(rank)
@@ -308,7 +329,7 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
                 # Overlap is checked where the first bucket can fill early: not when one
                 # bucket holds everything, nor when it holds `unused` (ready at the end only).
                 per_parameter = ddp_kwargs["bucket_cap_mb"] is None
-                overlap = (per_parameter and kind != "mixed") or (kind == "gpt" and len(expected) > 1)
+                overlap = not drawn and ((per_parameter and kind != "mixed") or (kind == "gpt" and len(expected) > 1))
                 check_traced_backward(task_id, where, tracer, hooks, expected, per_parameter,
                                       ddp_kwargs.get("find_unused_parameters", False), trainable,
                                       members, overlap)
@@ -600,3 +621,135 @@ def no_sync_on_rank() -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_no_sync(world_size):
     run_graded("ddp.no_sync", one_thread, world_size, no_sync_on_rank)
+
+
+# ----------------------------------------------------------------------------- drawn configurations
+#
+# Besides the fixed cases above, every task runs K configurations drawn from the run's seed
+# (tests/grading/configs.py: a new seed each run, printed in every failure; LABKIT_SEED replays,
+# LABKIT_LONG=1 draws more), in one launch of 4 ranks: a chain of linear layers of drawn widths
+# and dtypes (float32/float64 in any order), with or without biases, some frozen, one perhaps
+# tied to another, one perhaps used by no forward; a loss scaled by a drawn factor (0.25-4);
+# the world split into a drawn partition of groups (strided and single-rank ones
+# included); a drawn bucket cap; 2-4 micro-batches per step (ddp.no_sync). Checked as above
+# (tolerance: float32's, with an absolute 2e-5 for gradients that cancel to nearly zero):
+# gradients and parameters against the reference and the built-in at every step, and the
+# whole trace of each synchronised backward. ddp.broadcast draws tensors of any dtype gloo
+# broadcasts (bool, 8- to 64-bit ints and floats, 0-dim ones included) and the drawn models;
+# ddp.bucketed also checks assign_buckets on drawn parameter lists and caps.
+
+DRAWN_WORLD = 4
+BROADCAST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                    torch.int8, torch.uint8, torch.bool)
+
+
+def draw_cases(task_id: str) -> list[dict]:
+    rng = configs.rng(task_id)
+    cases = []
+    for i in range(configs.budget(ci=3, long=20)):
+        label = f"drawn case {i} {configs.replay(task_id + f', case {i}')}"
+        spec = draw_model(rng, label)
+        params = [p for p in DrawnMLP(spec).parameters() if p.requires_grad]
+        total = sum(p.numel() * p.element_size() for p in params)
+        cap = None if task_id == "ddp.per_parameter" else rng.randint(1, total + 8) / 2 ** 20
+        if task_id == "ddp.no_sync" and rng.random() < 0.5:
+            cap = None
+        kwargs = dict(bucket_cap_mb=cap, find_unused_parameters=spec.spare or rng.random() < 0.3)
+        cases.append(dict(case=(spec, kwargs), groups=draw_partition(rng, DRAWN_WORLD),
+                          micro_steps=rng.randint(2, 4) if task_id == "ddp.no_sync" else 1))
+    return cases
+
+
+def drawn_training_on_rank(task_id: str, cases: list[dict]) -> None:
+    for case in cases:
+        train_and_compare(task_id, case["case"], micro_steps=case["micro_steps"], groups=case["groups"])
+
+
+def drawn_broadcast_on_rank(cases: list[dict]) -> None:
+    from labkit.ddp import DDP, broadcast_tensors
+    rank = dist.get_rank()
+    for case in cases:
+        group, members = own_group(case["groups"])
+        src = members[0]
+        where = f"ddp.broadcast: rank {rank} in group {members}, {case['label']}"
+        tensors, expected = (make_tensors(case["tensors"], value_seed) for value_seed in (rank, src))
+        storages = [t.data_ptr() for t in tensors]
+        with CommTracer() as tracer:
+            call_broadcast(where, src, broadcast_tensors, tensors, group)
+        assert [t.data_ptr() for t in tensors] == storages, \
+            f"{where}: a tensor now lives in other memory; overwrite each in place (copy_)"
+        assert_ops(tracer, [Op("broadcast", size, members) for size in per_dtype_bytes(expected)],
+                   f"{where}, broadcast_tensors of {[str(t.dtype) for t in expected]}: one broadcast per dtype, "
+                   f"over ranks {tuple(members)}")
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            assert t.dtype == e.dtype and t.shape == e.shape, f"{where}: tensor {i} changed dtype or shape"
+            assert torch.equal(t, e), f"{where}: tensor {i} ({e.dtype}, shape {tuple(e.shape)}) vs group rank 0's"
+        spec = case["model"]
+        model, theirs = DrawnMLP(spec, seed=rank), DrawnMLP(spec, seed=src)
+        DDP(model, process_group=group, bucket_cap_mb=None, find_unused_parameters=True)
+        for (name, t), e in zip([*model.named_parameters(), *model.named_buffers()],
+                                [*theirs.parameters(), *theirs.buffers()]):
+            assert torch.equal(t.detach(), e.detach()), f"{where}: {name!r} after DDP(...) vs group rank 0's"
+
+
+def make_tensors(specs: list[tuple], value_seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(value_seed)
+    out = []
+    for dtype, shape in specs:
+        values = torch.randint(0, 2 if dtype == torch.bool else 100, shape, generator=g)
+        out.append(values.to(dtype) if dtype == torch.bool or not dtype.is_floating_point
+                   else (values.double() / 7).to(dtype))
+    return out
+
+
+def draw_broadcasts() -> list[dict]:
+    rng = configs.rng("ddp.broadcast")
+    cases = []
+    for i in range(configs.budget(ci=4, long=30)):
+        shapes = [tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 3))) for _ in range(rng.randint(1, 6))]
+        cases.append(dict(tensors=[(rng.choice(BROADCAST_DTYPES), shape) for shape in shapes],
+                          groups=draw_partition(rng, DRAWN_WORLD), model=draw_model(rng, f"case {i}"),
+                          label=f"drawn case {i} {configs.replay(f'ddp.broadcast, case {i}')}"))
+    return cases
+
+
+def check_drawn_buckets() -> None:
+    """assign_buckets on drawn parameter lists (1-8 parameters of 1-6 elements, float32/64 and
+    float16) and caps, against the rule (in a one-rank launch)."""
+    from labkit.ddp import assign_buckets
+    rng = configs.rng("ddp.bucketed:assign")
+    for _ in range(configs.budget(ci=50, long=500)):
+        params = [torch.nn.Parameter(torch.zeros(rng.randint(1, 6), dtype=rng.choice(
+            (torch.float32, torch.float64, torch.float16)))) for _ in range(rng.randint(1, 8))]
+        cap = rng.randint(1, 40)
+        names = {id(p): f"p{i}" for i, p in enumerate(params)}
+        got = [[names[id(p)] for p in bucket] for bucket in assign_buckets(params, cap)]
+        expected = [[f"p{i}" for i in bucket] for bucket in expected_buckets(params, cap)]
+        sizes = [f"{p.numel() * p.element_size()} ({str(p.dtype)[6:]})" for p in params]
+        assert got == expected, (f"ddp.bucketed: assign_buckets of parameters of {sizes} bytes, cap {cap} B: {got}, "
+                                 f"expected {expected} (walk them in reverse; close a bucket once it holds >= the "
+                                 f"cap, or when the dtype changes) {configs.replay()}")
+
+
+@task("ddp.broadcast", points=0.5)
+def test_broadcast_drawn_configurations():
+    run_graded("ddp.broadcast", one_thread, DRAWN_WORLD, drawn_broadcast_on_rank, draw_broadcasts())
+
+
+@task("ddp.per_parameter", points=1)
+def test_per_parameter_drawn_configurations():
+    run_graded("ddp.per_parameter", one_thread, DRAWN_WORLD, drawn_training_on_rank, "ddp.per_parameter",
+               draw_cases("ddp.per_parameter"))
+
+
+@task("ddp.bucketed", points=1)
+def test_bucketed_drawn_configurations():
+    run_graded("ddp.bucketed", check_drawn_buckets, 1)
+    run_graded("ddp.bucketed", one_thread, DRAWN_WORLD, drawn_training_on_rank, "ddp.bucketed",
+               draw_cases("ddp.bucketed"))
+
+
+@task("ddp.no_sync", points=0.5)
+def test_no_sync_drawn_configurations():
+    run_graded("ddp.no_sync", one_thread, DRAWN_WORLD, drawn_training_on_rank, "ddp.no_sync",
+               draw_cases("ddp.no_sync"))

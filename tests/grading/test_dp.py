@@ -51,6 +51,8 @@ from labkit.data import markov_tokens, regression
 from labkit.course.grading import run_graded, task
 from labkit.models import GPT, GPTConfig, ToyModel, toy_loss
 from labkit.oracles import builtin_ddp
+from tests.grading import configs
+from tests.grading.configs import DrawnMLP, draw_model, draw_partition, mlp_data, mlp_loss
 
 WORLD_SIZES = [1, 2, 3, 4]
 STEPS = 5
@@ -381,6 +383,88 @@ def test_grad_average_parameter_unused_on_some_ranks(world_size):
     # the collectives no longer line up, and the job fails or hangs. (One rank alone has
     # no "other ranks": world size 1 is covered by the tests above.)
     run_graded("dp.grad_average", partially_unused_on_rank, world_size, timeout=30)
+
+
+# Drawn configurations (tests/grading/configs.py: a new seed each run, printed in every
+# failure; LABKIT_SEED replays, LABKIT_LONG=1 draws more), in one launch of 4 ranks: a drawn
+# model (float32/float64 layers in any order, biases or not, frozen and tied parameters), the
+# world cut into a drawn partition of groups, each averaging over itself; equal shards and
+# the plain mean, or shards of drawn unequal sizes and num_samples; a layer that a drawn set
+# of ranks uses (none, some or all); a loss scaled by a drawn factor; SGD with momentum in two
+# parameter groups (another lr, weight decay on one). Three steps, each checked against the
+# group's global batch in one process: every gradient, every parameter after the step, and
+# the whole trace. Tolerance: float32's, with an absolute 2e-5 for gradients near zero.
+
+DRAWN_WORLD = 4
+
+
+def draw_averages() -> list[dict]:
+    rng = configs.rng("dp.grad_average")
+    cases = []
+    for i in range(configs.budget(ci=4, long=30)):
+        groups = draw_partition(rng, DRAWN_WORLD)
+        weighted = rng.random() < 0.5
+        per_rank = rng.randint(1, 3)
+        shards = [[rng.randint(1, 4) if weighted else per_rank for _ in g] for g in groups]
+        cases.append(dict(spec=draw_model(rng, f"drawn case {i}"), groups=groups, weighted=weighted, shards=shards,
+                          spare_users=sorted(rng.sample(range(DRAWN_WORLD), rng.randint(0, DRAWN_WORLD))),
+                          label=f"drawn case {i} {configs.replay(f'dp.grad_average, case {i}')}"))
+    return cases
+
+
+def spare_penalty(model, rank: int, users) -> torch.Tensor | float:
+    """A term on the unused layer from the ranks in ``users`` only (none of it if there is no such layer)."""
+    if not hasattr(model, "spare") or rank not in users:
+        return 0.0
+    return 0.1 * sum(p.double().square().sum() for p in model.spare.parameters())
+
+
+def two_groups(model) -> torch.optim.Optimizer:
+    """SGD with momentum; weights in one parameter group, biases (with weight decay) in another."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    weights = [p for p in params if p.dim() > 1]
+    biases = [p for p in params if p.dim() <= 1]
+    return torch.optim.SGD([dict(params=weights), dict(params=biases, lr=0.05, weight_decay=0.1)],
+                           lr=0.1, momentum=0.9)
+
+
+def drawn_average_on_rank(cases: list[dict]) -> None:
+    torch.set_num_threads(1)  # see one_thread()
+    from labkit.dp import average_gradients
+    rank = dist.get_rank()
+    for case in cases:
+        groups, spec = case["groups"], case["spec"]
+        made = [dist.new_group(g) for g in groups]  # every rank creates every group
+        index = next(i for i, g in enumerate(groups) if rank in g)
+        members, shards = groups[index], case["shards"][index]
+        me, total = members.index(rank), sum(shards)
+        model, ref = DrawnMLP(spec), DrawnMLP(spec)
+        opt, ref_opt = two_groups(model), two_groups(ref)
+        x, y = mlp_data(spec, 3 * total)
+        for step in range(3):
+            what = (f"dp.grad_average: rank {rank} in group {members} of {groups}, shards {shards}"
+                    f"{', num_samples' if case['weighted'] else ', plain mean'}, {case['label']}, step {step}")
+            gx, gy = x[step * total:(step + 1) * total], y[step * total:(step + 1) * total]
+            xs, ys = gx.split(shards), gy.split(shards)
+            ref_opt.zero_grad(set_to_none=True)
+            # The objective: the ranks' losses weighted by their samples (or equally), in one process.
+            share = [n / total for n in shards] if case["weighted"] else [1 / len(members)] * len(members)
+            sum(w * (mlp_loss(spec, ref, a, b) + spare_penalty(ref, r, case["spare_users"]))
+                for w, a, b, r in zip(share, xs, ys, members)).backward()
+            opt.zero_grad(set_to_none=True)
+            (mlp_loss(spec, model, xs[me], ys[me]) + spare_penalty(model, rank, case["spare_users"])).backward()
+            with CommTracer() as tracer:
+                average_gradients(model, group=made[index], num_samples=shards[me] if case["weighted"] else None)
+            check_average_ops(tracer, model, some_rank_has_grad(ref), members, what)
+            compare_grads(model, ref, what, 1e-5, 2e-5)
+            opt.step()
+            ref_opt.step()
+            compare_params(model, ref, what + " (after the step)", 1e-5, 2e-5)
+
+
+@task("dp.grad_average", points=1)
+def test_grad_average_drawn_configurations():
+    run_graded("dp.grad_average", drawn_average_on_rank, DRAWN_WORLD, draw_averages())
 
 
 # ----------------------------------------------------------------------------- dp.data_parallel

@@ -105,6 +105,9 @@ routing under no_grad; every routing of the step (recompute and evaluation inclu
 with the bias of steps 1 ... s-1, the gate's gradient summed over the micro-batches is the
 reference's, ``counts`` hold each micro-batch once, nothing is communicated before
 ``update()``, which is one all-reduce and moves the bias by the group's load of the whole step.
+Drawn (a new seed each run, the same stream on every rank): E 2-12, gamma 1e-4 to 0.5, 2-4
+steps of drawn counts per rank (zeros, idle experts) counted as [T, k] routings of drawn k, an
+empty one included, in every group of the world's layouts, against the same loop.
 
 moe.shared_overlap: shared experts (DeepSeekMoE) computed while the all-to-alls are in flight.
 ``AllToAllOverlap`` on its own, on the world and the subgroups, in the four dtypes, with uneven
@@ -139,7 +142,6 @@ absolute tolerance is raised to rtol x the largest |expected| of the tensor (``n
 
 import copy
 import math
-import os
 import random
 from fractions import Fraction
 from types import SimpleNamespace
@@ -916,15 +918,7 @@ def layer_on_rank() -> None:
 
 # ----------------------------------------------------------------------------- the layer, drawn configurations
 
-LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
-
-
-def run_seed() -> int:
-    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
-    one); printed, and every message of a drawn case names it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
-    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
-    return seed
+LONG = configs.LONG  # a developer's long mode: many more drawn configurations
 
 
 def drawn_layer_case(draw: random.Random, m: int) -> dict:
@@ -1137,7 +1131,7 @@ def ref_bias_step(bias: torch.Tensor, load: torch.Tensor, gamma: float) -> torch
     return (bias.double() + gamma * torch.sign(load.mean() - load)).float()
 
 
-def bias_balance_on_rank() -> None:
+def bias_balance_on_rank(seed: int) -> None:
     from labkit.moe import BiasBalancer, route
     rank = dist.get_rank()
     # route with a bias: per rank, no communication
@@ -1218,6 +1212,57 @@ def bias_balance_on_rank() -> None:
         for k in (1, 2, 3):
             balancer_steps(balancer_cls=BiasBalancer, group=group, members=members, me=me, k=k,
                            what=f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}")
+    bias_balance_drawn(seed)
+
+
+def bias_balance_drawn(seed: int) -> None:
+    """Drawn configurations of BiasBalancer.count/update, the same on every rank (one stream
+    from the test process's seed): E 2-12, gamma from 1e-4 to 0.5, 2-4 steps, each rank's
+    counts drawn per step (zeros and idle experts included) and handed to count() as [T, k]
+    routings of drawn k (an empty one included), in every group of the world's layouts;
+    against the loop on the group-summed loads, with the one all-reduce traced."""
+    from labkit.moe import BiasBalancer
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rng = configs.stream(seed, "moe.bias_balance")
+    groups = groups_of_world()
+    for case in range(configs.budget(ci=3, long=30)):
+        experts, steps = rng.randint(2, 12), rng.randint(2, 4)
+        gamma = rng.choice((10 ** rng.uniform(-4, -1), 0.5))
+        counts = [[[0 if rng.random() < 0.2 else rng.randint(0, 9) for _ in range(experts)] for _ in range(n)]
+                  for _ in range(steps)]   # [step][global rank][expert]
+        ks = [[rng.choice((1, 2, 3)) for _ in range(3)] for _ in range(steps)]
+        for group_name, members, group in groups:
+            if rank not in members:
+                continue
+            what = (f"moe.bias_balance: BiasBalancer.count/update on rank {rank}, {group_name}, drawn case {case} "
+                    f"(E={experts}, gamma={gamma:.3g}) {configs.replay(f'moe.bias_balance, world size {n}')}")
+            balancer = BiasBalancer(experts, gamma=gamma, group=group)
+            ref = torch.zeros(experts)
+            for step in range(steps):
+                mine = torch.tensor(counts[step][rank], dtype=torch.int64)
+                load = torch.tensor([sum(counts[step][r][e] for r in members) for e in range(experts)])
+                chosen = torch.repeat_interleave(torch.arange(experts), mine)
+                chosen = chosen[torch.randperm(chosen.numel(), generator=torch.Generator().manual_seed(step))]
+                where = f"{what}, step {step + 1}, group load {load.tolist()}, my counts {mine.tolist()}"
+                start = 0
+                with CommTracer() as tracer:
+                    for k in ks[step]:   # routings of k choices per token; the rest as k = 1
+                        take = (chosen.numel() - start) // 2 // k * k
+                        balancer.count(chosen[start:start + take].reshape(-1, k))
+                        start += take
+                    balancer.count(chosen[start:].reshape(-1, 1))
+                assert_ops(tracer, [], where + ": count communicates nothing")
+                assert torch.equal(balancer.counts, mine), \
+                    f"{where}: counts after count() of routings with k in {ks[step]}: got {balancer.counts.tolist()}"
+                with CommTracer() as tracer:
+                    got = balancer.update()
+                ref = ref_bias_step(ref, load, gamma)
+                assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
+                assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over "
+                             "the group", rtol=0, atol=1e-6)
+                assert torch.equal(balancer.counts, torch.zeros_like(mine)), f"{where}: update must zero the counts"
+                assert_sequence(tracer, [Op("all_reduce", experts * 8, members)],
+                                where + f" (one all-reduce of the E int64 counts in group {members})")
 
 
 MICRO_TOKENS = (13, 7, 10)  # tokens of each micro-batch of a step: different lengths
@@ -1691,7 +1736,7 @@ def test_layer(world_size):
 @task("moe.layer", points=1)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_layer_drawn(world_size):
-    run_graded("moe.layer", layer_drawn_on_rank, world_size, run_seed(), 40 if LONG else 6, timeout=300 if LONG else 90)
+    run_graded("moe.layer", layer_drawn_on_rank, world_size, configs.announce(), 40 if LONG else 6, timeout=300 if LONG else 90)
 
 
 @task("moe.ep_dp", points=2)
@@ -1703,7 +1748,7 @@ def test_ep_dp(world_size):
 @task("moe.bias_balance", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_bias_balance(world_size):
-    run_graded("moe.bias_balance", bias_balance_on_rank, world_size)
+    run_graded("moe.bias_balance", bias_balance_on_rank, world_size, configs.announce("moe.bias_balance"))
 
 
 @task("moe.shared_overlap", points=2)

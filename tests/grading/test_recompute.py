@@ -45,7 +45,6 @@ numbers the code under test reports. Then, per task:
   one wholly padded: weights by the counted targets, not y.numel().
 """
 
-import os
 import random
 
 import pytest
@@ -68,15 +67,7 @@ CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=4, n_head=2, n_embd=16)
 SHAPES = [(8, 2, 16, 2), (12, 3, 16, 4), (6, 1, 32, 2)]  # (s, b, h, a) for the byte counts
 
 
-LONG = os.environ.get("LABKIT_LONG") == "1"  # a developer's long mode: many more drawn configurations
-
-
-def run_seed() -> int:
-    """The seed of this run's drawn configurations: new each run (``LABKIT_SEED=<n>`` replays
-    one); printed, and every message of a drawn case names it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2 ** 31))
-    print(f"drawn configurations: LABKIT_SEED={seed}{' (LABKIT_LONG=1)' if LONG else ''}")
-    return seed
+LONG = configs.LONG  # a developer's long mode: many more drawn configurations
 
 
 def examples(ci: int, long: int) -> int:
@@ -1277,7 +1268,7 @@ def test_offload(world_size):
 @task("recompute.accumulate", points=2)
 @pytest.mark.parametrize("world_size", [1, 4, 3])
 def test_accumulate(world_size):
-    run_graded("recompute.accumulate", accumulate_on_rank, world_size, run_seed(), timeout=120)
+    run_graded("recompute.accumulate", accumulate_on_rank, world_size, configs.announce(), timeout=120)
 
 
 @task("recompute.optimizer_offload", points=2)
@@ -1459,4 +1450,4 @@ def chunked_ce_on_rank(seed: int) -> None:
 @task("recompute.chunked_ce", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_chunked_ce(world_size):
-    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, run_seed(), timeout=120)
+    run_graded("recompute.chunked_ce", chunked_ce_on_rank, world_size, configs.announce(), timeout=120)

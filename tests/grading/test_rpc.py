@@ -69,6 +69,7 @@ import torch.nn as nn
 import labkit
 from labkit.check import assert_close, mismatch
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 H_IN, H_HID, H_OUT, STEPS, LR = 4, 6, 2, 5, 0.1
 REMOTE_STEPS = 3  # rpc.remote_ps: steps per optimizer (each trainer's optimizer state carried over 3 of its steps)
@@ -76,20 +77,8 @@ BATCH = 13  # divides by none of 2, 3, 4: shards and micro-batches of unequal si
 
 # Sampled configurations (issue 39): every run draws new ones from a new seed, printed by each test
 # and named in every message (LABKIT_SEED=S replays a run); LABKIT_LONG=1 draws more.
-LONG = os.environ.get("LABKIT_LONG", "") not in ("", "0")
-SEED = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(1 << 31))
+LONG = configs.LONG
 SAMPLES = 6 if LONG else 1
-
-
-def announce_seed(test: str) -> int:
-    print(f"{test}: {SAMPLES} sampled configuration(s) per world size from seed {SEED} "
-          f"(LABKIT_SEED={SEED} replays them, LABKIT_LONG=1 draws more)")
-    return SEED
-
-
-def sampler(seed: int, test: str) -> random.Random:
-    """The same stream on every rank (the configurations must agree), another per test."""
-    return random.Random(f"{seed}/{test}")
 
 
 def sampled_optimizer(rng: random.Random, seed: int) -> tuple:
@@ -311,7 +300,7 @@ def remote_ps_job(seed: int) -> None:
         with TorchRpcTrace() as trace, pytest.raises(ValueError):
             R.train_remote(None, skew_mse, [batch(0, rank)], lr=0.0)
         assert not trace.keys(), f"rpc.remote_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    rng = sampler(seed, "remote_ps")
+    rng = configs.stream(seed, "remote_ps")
     for config, (opt_name, opt_class, opt_kwargs) in enumerate(OPTIMIZERS + [sampled_optimizer(rng, seed)
                                                                            for _ in range(SAMPLES)]):
         name = f"ps{config}"
@@ -564,7 +553,7 @@ def batching_job(seed: int) -> None:
             with pytest.raises(ValueError):
                 R.start_batching_server(small_model(1), **bad, name="bad")
     assert not trace.keys(), f"rpc.batching_ps: bad input must fail before any RPC, traced {trace.keys()}"
-    rng = sampler(seed, "batching_ps")
+    rng = configs.stream(seed, "batching_ps")
     sampled = [(rng.randint(0, 3), sampled_optimizer(rng, seed), rng.randint(max(1, len(trainers)), 17))
                for _ in range(SAMPLES)]
     for config, (bound, (opt_name, opt_class, opt_kwargs), rows) in enumerate(
@@ -799,7 +788,7 @@ def pipeline_job(seed: int) -> None:
             with pytest.raises(ValueError):
                 R.RpcPipeline([None, None], 0)
         assert not trace.keys(), f"{what}: bad input must fail before any RPC, traced {trace.keys()}"
-    rng = sampler(seed, "pipeline")
+    rng = configs.stream(seed, "pipeline")
     sampled = [(micro, rng.randint(micro, 17)) for micro in (rng.randint(1, 5) for _ in range(SAMPLES))]
     for config, (micro, rows) in enumerate(PIPE_CONFIGS + sampled):
         tag = f"pipe{config}"
@@ -922,13 +911,13 @@ def check_overlap(tag, count, micro, what):
 @task("rpc.remote_ps", points=3)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_remote_ps(world_size):
-    run_graded("rpc.remote_ps", remote_ps_job, world_size, announce_seed("rpc.remote_ps"), rpc=True, timeout=90)
+    run_graded("rpc.remote_ps", remote_ps_job, world_size, configs.announce("rpc.remote_ps"), rpc=True, timeout=90)
 
 
 @task("rpc.batching_ps", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_batching_ps(world_size):
-    run_graded("rpc.batching_ps", batching_job, world_size, announce_seed("rpc.batching_ps"), rpc=True, timeout=120)
+    run_graded("rpc.batching_ps", batching_job, world_size, configs.announce("rpc.batching_ps"), rpc=True, timeout=120)
 
 
 @task("rpc.batching_ps", points=1)
@@ -960,4 +949,4 @@ def test_a_dying_trainer_is_reported_at_once(tmp_path):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_pipeline(world_size):
     # detect_deadlock=False: a wrong pipeline's last stage waits (bounded) for an overlap that never comes
-    run_graded("rpc.pipeline", pipeline_job, world_size, announce_seed("rpc.pipeline"), rpc=True, timeout=120, detect_deadlock=False)
+    run_graded("rpc.pipeline", pipeline_job, world_size, configs.announce("rpc.pipeline"), rpc=True, timeout=120, detect_deadlock=False)

@@ -44,7 +44,6 @@ of another size (``drawn_zigzag``); ring attention, Ulysses and the online softm
 """
 
 import math
-import os
 import random
 from types import SimpleNamespace
 
@@ -58,21 +57,15 @@ from torch.utils._pytree import tree_leaves
 from labkit.check import assert_close
 from labkit.comm import COMPUTE_OPS, CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 WORLD_SIZES = [1, 2, 3, 4]
 B, HEADS, D = 2, 12, 4          # heads divide by 1..4 (Ulysses)
 ROWS = 6                        # rows per rank: T = 6 N, and 2N chunks of 3 for zig-zag
 # Partitions of the world the technique also runs on, after the world (see the docstring).
 PARTITIONS = {4: [[[0, 1], [2, 3]], [[0, 2], [1, 3]]], 3: [[[0, 2], [1]]]}
-LONG = os.environ.get("LABKIT_LONG") == "1"
+LONG = configs.LONG
 DRAWS = 16 if LONG else 2  # drawn configurations per launch (drawn_ring, drawn_ulysses, ...)
-
-
-def draw_seed() -> int:
-    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
-    return seed
 
 
 def drawn_tolerance(dtype) -> dict:
@@ -323,7 +316,7 @@ def megatron_check(group, members, frozen=()):
 @task("sp.megatron", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_megatron_sequence_parallel_block(world_size):
-    run_graded("sp.megatron", megatron_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("sp.megatron", megatron_on_rank, world_size, configs.announce(), DRAWS)
 
 
 def bad_shapes_on_rank(seed: int = 0, draws: int = 0):
@@ -342,7 +335,7 @@ def bad_shapes_on_rank(seed: int = 0, draws: int = 0):
 
 @task("sp.zigzag", points=1)
 def test_bad_shapes_are_refused_before_any_communication():
-    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4, draw_seed(), DRAWS)[0]
+    positions = run_graded("sp.zigzag", bad_shapes_on_rank, 4, configs.announce(), DRAWS)[0]
     assert positions == [6, 7, 8, 9], f"sp.zigzag: rank 3 of 4 holds {positions} of 16 tokens; expected [6, 7, 8, 9]"
 
 
@@ -409,7 +402,7 @@ def test_blockwise_attention_equals_softmax_attention():
                  "sp.online_softmax: merged log-sum-exp")
     assert torch.isinf(b[1][..., :6]).all() and not b[0][..., :6, :].abs().sum(), \
         "sp.online_softmax: a query that sees none of a block must get lse = -inf and output 0"
-    rng = random.Random(draw_seed())
+    rng = random.Random(configs.announce())
     for draw in range(20 * DRAWS):  # drawn: 2-5-D tensors, Tq != Tk without a mask, any block size, float32
         lead = tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 3)))
         causal, tk, d = rng.random() < 0.5, rng.randint(1, 9), rng.randint(1, 4)
@@ -518,7 +511,7 @@ def ring_check(causal, zigzag, group, members):
 def test_ring_attention(world_size):
     for causal in (False, True):
         run_graded("sp.ring_attention", ring_on_rank, world_size, causal, False)
-    run_graded("sp.ring_attention", ring_on_rank, world_size, True, True, True, draw_seed(), DRAWS)
+    run_graded("sp.ring_attention", ring_on_rank, world_size, True, True, True, configs.announce(), DRAWS)
 
 
 def ring_memory_on_rank(total_rows: int):
@@ -568,7 +561,7 @@ def test_zigzag_split_and_its_inverse_balance_causal_work():
         # causal work per rank: the (query, key) pairs it must compute, over the whole ring
         work = [int(sum(p + 1 for p in zigzag_positions(T, r, n).tolist())) for r in range(n)]
         assert len(set(work)) == 1, f"sp.zigzag: causal work per rank {work} is not balanced (N={n})"
-    drawn_zigzag(draw_seed(), 10 * DRAWS, "one process")
+    drawn_zigzag(configs.announce(), 10 * DRAWS, "one process")
 
 
 ZIGZAG_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool]
@@ -693,4 +686,4 @@ def ulysses_check(causal, group, members):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ulysses_attention(world_size):
     run_graded("sp.ulysses", ulysses_on_rank, world_size, False)
-    run_graded("sp.ulysses", ulysses_on_rank, world_size, True, True, draw_seed(), DRAWS)
+    run_graded("sp.ulysses", ulysses_on_rank, world_size, True, True, configs.announce(), DRAWS)

@@ -126,4 +126,16 @@ Mutant("ddp.broadcast", "builtin_coalesced", "calls torch's _broadcast_coalesced
            "the flat buffer (views held elsewhere, an optimizer's or a bucket's, go stale)",
            find="                t.copy_(flat[offset:offset + t.numel()].view_as(t))",
            replace="                t.data = flat[offset:offset + t.numel()].view_as(t)"),
+    # issue 39: configurations nobody listed (only the drawn ones reach these)
+    Mutant("ddp.broadcast", "one_message_for_all_integers",
+           "puts every integer and bool tensor into one message (torch.cat promotes them to int64): right values, "
+           "one broadcast where int8, int32, int64 and bool need one each",
+           find="        by_kind.setdefault((t.dtype, t.device), []).append(t)",
+           replace="        by_kind.setdefault((t.dtype if t.is_floating_point() else 'integers', t.device), []).append(t)"),
+    Mutant("ddp.bucketed", "dtype_change_keeps_the_size",
+           "starts a new bucket where the dtype changes but keeps counting the closed bucket's bytes",
+           find="        if current and p.dtype != current[0].dtype:\n            buckets.append(current)\n"
+                "            current, size = [], 0\n",
+           replace="        if current and p.dtype != current[0].dtype:\n            buckets.append(current)\n"
+                   "            current = []\n"),
 ]
