@@ -78,6 +78,9 @@ momentum SGD, a frozen parameter and an unused one (no gradient: no all-reduce);
 capacity 1.0 with AdamW. Against
 one process holding every expert that runs the same global batch in the same slices: the
 global loss of every step, every dense parameter and this rank's experts after each step.
+Drawn (a new seed each run): one more case per launch on any grid of the world, E/ep 1-3, k
+1 to min(E, 3), dropless or a capacity factor in [0.5, 2], even or skewed routing, either
+optimizer, frozen and unused parameters or not, other weights and data, a scaled loss.
 The trace of step 1 is, in order: per MoE layer the counts and two all-to-alls in the EP
 group forward, two per layer backward (last layer first), then one all-reduce per parameter
 with a gradient, in ``model.parameters()`` order, dense over the world and expert over the
@@ -1023,11 +1026,10 @@ def skew_towards_expert_0(gpt) -> None:
         block.mlp.gate[0] += 2.0 / math.sqrt(block.mlp.gate.shape[1])
 
 
-def ep_dp_on_rank() -> None:
+def ep_dp_on_rank(drawn: list[dict]) -> None:
     from labkit.models import GPT, GPTConfig
-    from labkit.moe import (average_ep_dp_gradients, ep_dp_grid, expert_parallel_gpt, expert_parameters,
-                            EP_AXIS)
-    rank, n = dist.get_rank(), dist.get_world_size()
+    from labkit.moe import ep_dp_grid, expert_parallel_gpt, EP_AXIS
+    n = dist.get_world_size()
     with CommTracer() as tracer:  # bad input: a clear error before any communication
         for ep, dp in [(n, 2), (n + 1, 1), (0, n)]:
             with pytest.raises(ValueError):
@@ -1041,74 +1043,113 @@ def ep_dp_on_rank() -> None:
                 with pytest.raises(ValueError):
                     expert_parallel_gpt(GPT(GPTConfig(**bad)), grid.group(EP_AXIS))
         assert not tracer.events, f"moe.ep_dp: bad models must fail before any communication, traced {tracer.ops()}"
-        ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
-        dp_members = list(range(rank % ep, n, ep))
         # every case on the first grid, one each (in turn) on the others: the test time stays small
-        for name, k, factor, uneven, optimizer, frozen in (GPT_CASES if index == 0 else [GPT_CASES[index % 3]]):
-            what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, E={experts_total}, {name}"
-            config = GPTConfig(**GPT_MOE, n_experts=experts_total, moe_k=k, moe_capacity_factor=factor)
-            ref = GPT(config, seed=3).double()
-            if uneven:
-                skew_towards_expert_0(ref)
-            if frozen:
-                ref.wpe.weight.requires_grad_(False)
-                ref.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
-            model = expert_parallel_gpt(copy.deepcopy(ref), grid.group(EP_AXIS))
-            opt, ref_opt = make_optimizer(optimizer, model.parameters()), make_optimizer(optimizer, ref.parameters())
-            local = config.n_experts // ep
-            mine = slice(rank % ep * local, (rank % ep + 1) * local)
-            for step in range(STEPS):
-                gen = torch.Generator().manual_seed(1000 * step + 17)
-                data = torch.randint(0, config.vocab_size, (n * PER_RANK, config.block_size + 1), generator=gen)
-                x, y = data[:, :-1], data[:, 1:]
-                # the reference: every slice through one process holding every expert, losses averaged
-                ref_opt.zero_grad()
-                ref_loss, kept, chosen = 0, [], []
-                for r in range(n):
-                    part = slice(r * PER_RANK, (r + 1) * PER_RANK)
-                    ref_loss = ref_loss + ref(x[part], y[part])[1] / n
-                    kept.append([block.mlp.kept_experts for block in ref.blocks])
-                    chosen.append([block.mlp.experts for block in ref.blocks])
-                ref_loss.backward()
-                ref_opt.step()
-                mine_part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-                with CommTracer() as tracer:
-                    loss = model(x[mine_part], y[mine_part])[1]
-                    opt.zero_grad()
-                    loss.backward()
-                    average_ep_dp_gradients(model, grid)
-                opt.step()
-                total = loss.detach().clone()
-                dist.all_reduce(total)
-                near(total / n, ref_loss.detach(), f"{what}, step {step + 1}: global loss (mean over ranks)")
-                if step == 0:
-                    forward, backward = [], []
-                    for layer in range(config.n_layer):
-                        sent = kept[rank][layer].numel()
-                        received = sum(((kept[r][layer] // local) == rank % ep).sum().item() for r in ep_members)
-                        rows = Op("all_to_all", max(sent, received) * config.n_embd * 8, ep_members)
-                        forward += [Op("all_to_all", config.n_experts * 8, ep_members), rows, rows]
-                        backward = [rows, rows] + backward
-                    experts = {id(p) for p in expert_parameters(model)}
-                    reduces = [Op("all_reduce", p.numel() * 8, dp_members if id(p) in experts else None)
-                               for p in model.parameters() if p.grad is not None]
-                    assert_sequence(tracer, forward + backward + reduces,
-                                    what + " (per MoE layer: counts, dispatch, combine in the EP group, then both "
-                                           "back, last layer first; one all-reduce per parameter with a gradient, "
-                                           "in model.parameters() order: dense over the world, expert over the DP group)")
-                ref_params = dict(ref.named_parameters())
-                for pname, p in model.named_parameters():
-                    ref_p = ref_params[pname.replace("mlp.moe.", "mlp.")]
-                    expert = pname.endswith(("moe.w1", "moe.w2"))
-                    near(p, ref_p[mine] if expert else ref_p, f"{what}, after step {step + 1}: {pname}"
-                         + (" (this rank's experts)" if expert else ""))
-                if step == 0 and factor is not None:  # the case is what it says: some choices dropped
-                    choices = sum(t.numel() for per_rank in kept for t in per_rank)
-                    assert choices < n * config.n_layer * PER_RANK * config.block_size * config.moe_k, \
-                        "test set-up: capacity 1.0 should drop some choices"
-                if step == 0 and uneven:  # ... and most tokens choose expert 0, in every layer
-                    share = [(t == 0).any(dim=1).float().mean().item() for per_rank in chosen for t in per_rank]
-                    assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
+        for case in (GPT_CASES if index == 0 else [GPT_CASES[index % 3]]):
+            train_ep_dp(grid, ep, case, experts_total)
+    for case in drawn:
+        train_ep_dp(ep_dp_grid(n, *case["grid"]), case["grid"][0], case["case"], case["experts"], case["seed"],
+                    case["scale"], case["label"])
+
+
+def draw_ep_dp(n: int) -> list[dict]:
+    """Drawn cases for one launch at world size n (a new seed each run): any grid of n, E/ep 1-3
+    experts per rank, k from 1 to min(E, 3), dropless or a capacity factor in [0.5, 2], even or
+    skewed routing, AdamW or momentum SGD, a frozen and an unused parameter or not, other
+    weights and data, a loss scaled by a factor in [0.25, 4]."""
+    rng = configs.rng(f"moe.ep_dp:{n}")
+    cases = []
+    for i in range(configs.budget(ci=1, long=8)):
+        ep, dp = rng.choice(GRIDS[n])
+        experts = ep * rng.randint(1, 3)
+        k = rng.randint(1, min(experts, 3))
+        factor = None if rng.random() < 0.4 else round(rng.uniform(0.5, 2.0), 2)
+        uneven, optimizer, frozen = rng.random() < 0.4, rng.choice(("adamw", "sgd")), rng.random() < 0.5
+        name = (f"drawn: k={k}, {'dropless' if factor is None else f'capacity {factor}'}"
+                f"{', uneven' if uneven else ''}, {optimizer}{', frozen wpe + an unused parameter' if frozen else ''}")
+        cases.append(dict(grid=(ep, dp), experts=experts, case=(name, k, factor, uneven, optimizer, frozen),
+                          seed=rng.randrange(10 ** 6), scale=round(rng.uniform(0.25, 4.0), 3),
+                          label=f"case {i} {configs.replay(f'moe.ep_dp, world size {n}')}"))
+    return cases
+
+
+def train_ep_dp(grid, ep: int, case: tuple, experts_total: int, seed: int = 3, scale: float = 1.0,
+                drawn: str = "") -> None:
+    """STEPS steps of a 2-layer MoE GPT with the learner's EP layer on ``grid`` (ep x dp), against
+    one process holding every expert; ``drawn``: the label of a drawn case (its set-up is not
+    checked to be what a fixed case's name says)."""
+    from labkit.models import GPT, GPTConfig
+    from labkit.moe import average_ep_dp_gradients, expert_parallel_gpt, expert_parameters, EP_AXIS
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dp = n // ep
+    ep_members = list(range(rank // ep * ep, rank // ep * ep + ep))   # consecutive ranks
+    dp_members = list(range(rank % ep, n, ep))
+    name, k, factor, uneven, optimizer, frozen = case
+    what = f"moe.ep_dp: rank {rank} of {n}, ep={ep} x dp={dp}, E={experts_total}, {name}{', ' + drawn if drawn else ''}"
+    config = GPTConfig(**GPT_MOE, n_experts=experts_total, moe_k=k, moe_capacity_factor=factor)
+    ref = GPT(config, seed=seed).double()
+    if uneven:
+        skew_towards_expert_0(ref)
+    if frozen:
+        ref.wpe.weight.requires_grad_(False)
+        ref.unused = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    model = expert_parallel_gpt(copy.deepcopy(ref), grid.group(EP_AXIS))
+    opt, ref_opt = make_optimizer(optimizer, model.parameters()), make_optimizer(optimizer, ref.parameters())
+    local = config.n_experts // ep
+    mine = slice(rank % ep * local, (rank % ep + 1) * local)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(1000 * step + 17 + seed)
+        data = torch.randint(0, config.vocab_size, (n * PER_RANK, config.block_size + 1), generator=gen)
+        x, y = data[:, :-1], data[:, 1:]
+        # the reference: every slice through one process holding every expert, losses averaged
+        ref_opt.zero_grad()
+        ref_loss, kept, chosen = 0, [], []
+        for r in range(n):
+            part = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            ref_loss = ref_loss + scale * ref(x[part], y[part])[1] / n
+            kept.append([block.mlp.kept_experts for block in ref.blocks])
+            chosen.append([block.mlp.experts for block in ref.blocks])
+        ref_loss.backward()
+        ref_opt.step()
+        mine_part = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        with CommTracer() as tracer:
+            loss = scale * model(x[mine_part], y[mine_part])[1]
+            opt.zero_grad()
+            loss.backward()
+            average_ep_dp_gradients(model, grid)
+        opt.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        near(total / n, ref_loss.detach(), f"{what}, step {step + 1}: global loss (mean over ranks)")
+        if step == 0:
+            forward, backward = [], []
+            for layer in range(config.n_layer):
+                sent = kept[rank][layer].numel()
+                received = sum(((kept[r][layer] // local) == rank % ep).sum().item() for r in ep_members)
+                rows = Op("all_to_all", max(sent, received) * config.n_embd * 8, ep_members)
+                forward += [Op("all_to_all", config.n_experts * 8, ep_members), rows, rows]
+                backward = [rows, rows] + backward
+            experts = {id(p) for p in expert_parameters(model)}
+            reduces = [Op("all_reduce", p.numel() * 8, dp_members if id(p) in experts else None)
+                       for p in model.parameters() if p.grad is not None]
+            assert_sequence(tracer, forward + backward + reduces,
+                            what + " (per MoE layer: counts, dispatch, combine in the EP group, then both "
+                                   "back, last layer first; one all-reduce per parameter with a gradient, "
+                                   "in model.parameters() order: dense over the world, expert over the DP group)")
+        ref_params = dict(ref.named_parameters())
+        for pname, p in model.named_parameters():
+            ref_p = ref_params[pname.replace("mlp.moe.", "mlp.")]
+            expert = pname.endswith(("moe.w1", "moe.w2"))
+            near(p, ref_p[mine] if expert else ref_p, f"{what}, after step {step + 1}: {pname}"
+                 + (" (this rank's experts)" if expert else ""))
+        if step == 0 and factor is not None and not drawn:  # the case is what it says: some choices dropped
+            choices = sum(t.numel() for per_rank in kept for t in per_rank)
+            assert choices < n * config.n_layer * PER_RANK * config.block_size * config.moe_k, \
+                "test set-up: capacity 1.0 should drop some choices"
+        if step == 0 and uneven and not drawn:  # ... and most tokens choose expert 0, in every layer
+            share = [(t == 0).any(dim=1).float().mean().item() for per_rank in chosen for t in per_rank]
+            assert min(share) > 0.75, f"test set-up: most tokens should choose expert 0, {share}"
+
+
 
 
 # ----------------------------------------------------------------------------- bias balance
@@ -1742,7 +1783,7 @@ def test_layer_drawn(world_size):
 @task("moe.ep_dp", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ep_dp(world_size):
-    run_graded("moe.ep_dp", ep_dp_on_rank, world_size, timeout=120)
+    run_graded("moe.ep_dp", ep_dp_on_rank, world_size, draw_ep_dp(world_size), timeout=120)
 
 
 @task("moe.bias_balance", points=2)
