@@ -8,7 +8,9 @@ embedding. Where PyTorch ships the technique it is compared too (DistributedSamp
 
 * dp.sampler: index by index against DistributedSampler over lengths that divide and do
   not, drop_last both ways, shuffled or not, several seeds and epochs; with no
-  communication at all (shared randomness, not messages: the trace must be empty).
+  communication at all (shared randomness, not messages: the trace must be empty). Then 200
+  configurations drawn from the run's seed (lengths to 5000, 1-9 replicas, seeds to 2**62,
+  epochs to 1e6; ``LABKIT_LONG=1``: 5000).
 * dp.grad_average: equal shards (plain mean, also against DDP), unequal shards (weighted by
   samples), a model with float64 and float32 parameters (``MixedToy``: each gradient averaged
   in its own dtype; float32 tolerances), a parameter unused on some ranks only (world sizes 2-4: one rank has no "some"),
@@ -146,16 +148,16 @@ def compare_params(model, ref, what, rtol=None, atol=None):
 LENGTHS = [0, 1, 2, 3, 5, 8, 12, 13, 17, 100]
 
 
-def sampler_on_rank() -> None:
+def sampler_on_rank(seed: int) -> None:
     rank, n = dist.get_rank(), dist.get_world_size()
     with CommTracer() as tracer:
-        check_sampler(rank, n)
+        check_sampler(rank, n, seed)
     # Every rank draws the same permutation from the same seed: nothing to send.
     assert_ops(tracer, [], f"dp.sampler: rank {rank} of {n}: shard_indices and ShardSampler must not "
                            "communicate (every rank draws the same seeded permutation itself)")
 
 
-def check_sampler(rank: int, n: int) -> None:
+def check_sampler(rank: int, n: int, seed: int) -> None:
     from labkit.dp import ShardSampler, shard_indices, shard_size
     for length in LENGTHS:
         for shuffle in (True, False):
@@ -187,6 +189,23 @@ def check_sampler(rank: int, n: int) -> None:
                     assert got == list(builtin), (
                         f"dp.sampler: rank {r} of {replicas} (explicit), dataset of {length}, seed 3, epoch 4, "
                         f"drop_last={drop_last}: {_first_difference(got, list(builtin))}")
+    # Drawn (the run's seed, the same on every rank): any length, replica count, rank, seed
+    # (up to 2**62), epoch, shuffle and drop_last, against DistributedSampler.
+    rng = configs.stream(seed, "dp.sampler")
+    for _ in range(configs.budget(ci=200, long=5000)):
+        length, replicas = rng.choice((rng.randint(0, 40), rng.randint(0, 5000))), rng.randint(1, 9)
+        r, shuffle, drop_last = rng.randrange(replicas), rng.random() < 0.7, rng.random() < 0.5
+        sampler_seed, epoch = rng.choice((rng.randint(0, 99), rng.randint(0, 2 ** 62))), rng.randint(0, 10 ** 6)
+        builtin = DistributedSampler(range(length), replicas, r, shuffle, sampler_seed, drop_last)
+        builtin.set_epoch(epoch)
+        got = shard_indices(length, replicas, r, shuffle, sampler_seed, epoch, drop_last)
+        assert got == list(builtin), (
+            f"dp.sampler: rank {r} of {replicas} (explicit), dataset of {length}, shuffle={shuffle}, seed "
+            f"{sampler_seed}, epoch {epoch}, drop_last={drop_last}: {_first_difference(got, list(builtin))} "
+            f"{configs.replay('dp.sampler')}")
+        assert shard_size(length, replicas, drop_last) == len(builtin), (
+            f"dp.sampler: shard_size({length}, {replicas}, drop_last={drop_last}) = "
+            f"{shard_size(length, replicas, drop_last)}, DistributedSampler has {len(builtin)} {configs.replay()}")
     # In a DataLoader: the same batches as with DistributedSampler.
     data = torch.arange(23)
     ours = [b.tolist() for b in DataLoader(data, batch_size=2, sampler=_set(ShardSampler(data, seed=5)))]
@@ -209,7 +228,7 @@ def _first_difference(got, expected) -> str:
 @task("dp.sampler", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_sampler_matches_distributed_sampler(world_size):
-    run_graded("dp.sampler", sampler_on_rank, world_size)
+    run_graded("dp.sampler", sampler_on_rank, world_size, configs.announce("dp.sampler"))
 
 
 # ----------------------------------------------------------------------------- dp.grad_average

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from labkit.check import assert_close
 from labkit.comm import OP_KINDS, CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 STEPS = 5
 BATCH_PER_MICRO = 2
@@ -546,13 +547,14 @@ def brute_force_partition(costs, k):
 @task("pp.split", points=2)
 def test_partition_is_contiguous_balanced_and_refuses_too_many_stages():
     from labkit.pp import partition
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(60):
-        n = 1 + trial % 7
-        costs = torch.randint(1, 20, (n,), generator=gen).tolist()
+    rng = configs.rng("pp.split")  # the run's seed: other costs each run
+    for trial in range(configs.budget(ci=60, long=600)):
+        n = 1 + trial % 8
+        top = rng.choice((3, 20, 10 ** 6))   # few distinct costs (many ties) to large ones
+        costs = [rng.randint(1, top) for _ in range(n)]
         for k in range(1, n + 1):
             got, want = partition(costs, k), brute_force_partition(costs, k)
-            assert got == want, f"pp.split: partition({costs}, {k}) = {got}; expected {want}"
+            assert got == want, f"pp.split: partition({costs}, {k}) = {got}; expected {want} {configs.replay()}"
     with pytest.raises(ValueError, match="layers"):
         partition([1, 2, 3], 4)
 

@@ -18,7 +18,9 @@ largest parameter of gradient bytes.
 Communication: the whole traced signature of a step, every op with its count, group and
 bytes, and nothing else (``labkit.comm.assert_ops``), from the partition and the shapes:
 
-* ``partition_parameters``: nothing (every rank computes the same partition on its own);
+* ``partition_parameters``: nothing (every rank computes the same partition on its own), on
+  the two models, three fixed lists and 20 drawn from the run's seed (1-12 tensors of 1-3
+  dims, empty ones and ties included, float32/float64/bfloat16), against the greedy;
 * stage 1 ``step()``: one all-gather over the group of the shards padded to the largest,
   N x max_r(numel of rank r's shard) x element size bytes (a broadcast of each rank's shard,
   or of each parameter, from its owner is accepted too); gradients arrive averaged, so no
@@ -223,7 +225,7 @@ def expected_partition(params, n: int) -> list[list[int]]:
 # ----------------------------------------------------------------------------- zero.partition
 
 
-def partition_on_rank() -> None:
+def partition_on_rank(seed: int) -> None:
     from labkit.zero import partition_parameters
     one_thread()
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -234,6 +236,15 @@ def partition_on_rank() -> None:
         "six equal sizes": [torch.empty(3) for _ in range(6)],
         "fewer parameters than ranks": [torch.empty(4, 2), torch.empty(3)],
     }
+    # Drawn from the run's seed (the same stream on every rank): 1-12 tensors of 1-3 dims and
+    # dtypes of other sizes (the greedy counts elements), many of equal size (ties), some empty.
+    rng = configs.stream(seed, "zero.partition")
+    for i in range(configs.budget(ci=20, long=300)):
+        shapes = [tuple(rng.choice((0, 1, 2, 3, 4, 6)) if rng.random() < 0.1 else rng.choice((1, 2, 3, 4, 6))
+                        for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 12))]
+        dtypes = [rng.choice((torch.float32, torch.float64, torch.bfloat16)) for _ in shapes]
+        cases[f"drawn case {i}, shapes {shapes} {configs.replay('zero.partition')}"] = [
+            torch.empty(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
     for label, params in cases.items():
         what = f"zero.partition: rank {rank} of {n}, {label}"
         with CommTracer() as tracer:
@@ -272,7 +283,7 @@ def partition_on_rank() -> None:
 @task("zero.partition", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_partition(world_size):
-    run_graded("zero.partition", partition_on_rank, world_size)
+    run_graded("zero.partition", partition_on_rank, world_size, configs.announce("zero.partition"))
 
 
 # ----------------------------------------------------------------------------- param groups
