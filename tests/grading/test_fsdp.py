@@ -38,7 +38,6 @@ the group rank's rows, the traffic names the group's ranks only:
 
 import functools
 import math
-import os
 import random
 import time
 import weakref
@@ -51,21 +50,15 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from labkit.check import assert_close, tolerance
 from labkit.comm import CommTracer, Op, assert_ops, assert_overlap
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 WORLD_SIZES = [1, 2, 3, 4]
 BATCH = 12      # global batch: divides by 1, 2, 3 and 4, so every rank gets an equal share
 STEPS = 5
 LR = 1e-2       # AdamW with its default weight decay 0.01: a frozen or unused parameter
                 # that wrongly got a (zero) gradient would still move
-LONG = os.environ.get("LABKIT_LONG") == "1"
+LONG = configs.LONG
 DRAWS = 16 if LONG else 2  # drawn configurations per launch (drawn_on_rank)
-
-
-def draw_seed() -> int:
-    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
-    return seed
 
 
 # ----------------------------------------------------------------------------- on every rank
@@ -864,7 +857,7 @@ def drawn_mixed_precision(seed: int, draws: int) -> None:
 @task("fsdp.shard", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_shard(world_size):
-    run_graded("fsdp.shard", shard_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("fsdp.shard", shard_on_rank, world_size, configs.announce(), DRAWS)
 
 
 @task("fsdp.forward", points=3)
@@ -876,7 +869,7 @@ def test_forward_gathers_then_frees(world_size):
 @task("fsdp.backward", points=3)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_training_matches_single_process_and_fully_shard(world_size):
-    run_graded("fsdp.backward", backward_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("fsdp.backward", backward_on_rank, world_size, configs.announce(), DRAWS)
 
 
 @task("fsdp.prefetch", points=2)

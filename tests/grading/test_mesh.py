@@ -27,7 +27,6 @@ stage) against a count on the real GPT and the byte arithmetic written out in th
 
 import contextlib
 import math
-import os
 import random
 from types import SimpleNamespace
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 
 from labkit.check import assert_close
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 STEPS = 5
 GLOBAL_BATCH = 4
@@ -133,10 +133,9 @@ def test_degrees_that_do_not_multiply_to_the_world_are_refused():
         RankGrid(4, dp=4, tp=0)
     with pytest.raises(ValueError, match="dp"):
         RankGrid(4, dp=-2, pp=-2)  # multiplies to the world, but a degree is at least 1
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
+    seed = configs.announce("mesh.grid")
     rng = random.Random(seed)
-    for _ in range(200 if os.environ.get("LABKIT_LONG") == "1" else 20):  # drawn grids, up to 6 per axis
+    for _ in range(configs.budget(ci=20, long=200)):  # drawn grids, up to 6 per axis
         shape = tuple(rng.randint(1, 6) for _ in range(4))
         world = math.prod(shape)
         check_layout_of(RankGrid(world, **dict(zip(AXES, shape))), torch.arange(world).view(shape),
@@ -365,7 +364,6 @@ def drawn_training(task_id: str):
     the GPT's width, depth and tying, the optimizer (AdamW or SGD with momentum: state either
     way) with two parameter groups (matrices decayed at lr; vectors and embeddings of positions
     undecayed at another lr), the loss scale before backward; ``configs`` prints the seed."""
-    from tests.grading import configs
     rng = configs.rng(task_id)
     layouts = [(4, 1, 1), (2, 2, 1), (1, 4, 1)] if task_id == "mesh.train_2d" else [(2, 1, 2), (1, 2, 2)]
     dp, tp, pp = rng.choice(layouts)
@@ -550,7 +548,6 @@ def test_plan_on_drawn_models_and_layouts_matches_a_count_on_the_model():
     (s/cp) b h (34 + 5 a s / h) / tp per layer and micro-batch in flight (Korthikanti et al. 2022),
     with full recomputation 2 (s/cp) b h / tp per layer plus one layer's worth."""
     from labkit.mesh import Layout, ModelShape, memory_per_gpu, parameters_on_rank
-    from tests.grading import configs
     rng = configs.rng("mesh.plan")
     for draw in range(configs.budget(ci=40, long=400)):
         tp = rng.randint(1, 4)

@@ -45,7 +45,6 @@ waited on before any computation fails as it is waited on, world and every subgr
 """
 
 import itertools
-import os
 import random
 import re
 
@@ -66,15 +65,8 @@ SCHEDULES = {"gpipe": "pp.gpipe", "1f1b": "pp.1f1b", "interleaved": "pp.interlea
 SUBGROUPS = [[1, 2, 3], [0, 1, 3], [0, 2], [1, 3]]  # pipeline axes of a 4-rank mesh, as in chapter 08
 AFTER_THE_WORLD = {3: [[0, 2]]}  # in the world's own launch: a pipeline of 2 beside a bystander
 FLOAT64 = torch.empty((), dtype=torch.float64).element_size()
-LONG = os.environ.get("LABKIT_LONG") == "1"
+LONG = configs.LONG
 DRAWS = 8 if LONG else 1  # drawn pipelines per launch (drawn_pipeline); x40 drawn table shapes
-
-
-def draw_seed() -> int:
-    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
-    return seed
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -698,14 +690,14 @@ def runner_step_on_rank(members, group, m: int = 2) -> None:
 @task("pp.p2p", points=3)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_activations_and_gradients_reach_their_stage(world_size):
-    run_graded("pp.p2p", p2p_on_rank, world_size, None, draw_seed())
+    run_graded("pp.p2p", p2p_on_rank, world_size, None, configs.announce())
 
 
 @task("pp.p2p", points=1)
 def test_a_pipeline_on_a_subgroup_talks_to_global_ranks():
     # the pipeline axis of a mesh: stages 0, 1, 2 on global ranks 1, 2, 3, then on 0, 1, 3;
     # then the strided axis of a 2x2 grid: 2 stages on 0, 2, then on 1, 3
-    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS, draw_seed())
+    run_graded("pp.p2p", p2p_on_rank, 4, SUBGROUPS, configs.announce())
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -721,28 +713,28 @@ def cases(kind: str, p: int) -> list[int]:
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_gpipe_trains_like_one_process(world_size):
     run_graded("pp.gpipe", run_schedule_on_rank, world_size, "gpipe", cases("gpipe", world_size), 1,
-               world_size + 2, draw_seed(), DRAWS)
+               world_size + 2, configs.announce(), DRAWS)
 
 
 @task("pp.1f1b", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_1f1b_trains_like_one_process(world_size):
     run_graded("pp.1f1b", run_schedule_on_rank, world_size, "1f1b", cases("1f1b", world_size), 1,
-               2 * world_size + 1, draw_seed(), DRAWS)
+               2 * world_size + 1, configs.announce(), DRAWS)
 
 
 @task("pp.interleaved", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_interleaved_trains_like_one_process(world_size):
     run_graded("pp.interleaved", run_schedule_on_rank, world_size, "interleaved",
-               cases("interleaved", world_size), 2, None, draw_seed(), DRAWS)
+               cases("interleaved", world_size), 2, None, configs.announce(), DRAWS)
 
 
 @task("pp.zero_bubble", points=2)
 @pytest.mark.parametrize("world_size", PIPELINE_RANKS)
 def test_zero_bubble_trains_like_one_process(world_size):
     run_graded("pp.zero_bubble", run_schedule_on_rank, world_size, "zero_bubble",
-               cases("zero_bubble", world_size), 1, None, draw_seed(), DRAWS)
+               cases("zero_bubble", world_size), 1, None, configs.announce(), DRAWS)
 
 
 def table_and_bad_arguments(kind: str) -> None:
@@ -778,7 +770,7 @@ def table_and_bad_arguments(kind: str) -> None:
             assert abs(clock.bubble() - bubble) < 1e-9, \
                 (f"{task_id}: {shape}: the bubble on the clock is {clock.bubble():.4f}; the chapter's "
                  f"(p - 1) / (v m + p - 1) is {bubble:.4f}")
-    rng = random.Random(draw_seed())  # shapes drawn beyond the list: p up to 8, m up to 24, v up to 4
+    rng = random.Random(configs.announce())  # shapes drawn beyond the list: p up to 8, m up to 24, v up to 4
     for _ in range(40 * DRAWS):
         p, v = rng.randint(1, 8), rng.randint(1, 4) if kind == "interleaved" else 1
         m = rng.randint(1, 24)

@@ -28,7 +28,6 @@ per split tensor, nothing for the replicated ones. The GPT's shape divides by 3 
 """
 
 import math
-import os
 import random
 
 import pytest
@@ -40,20 +39,14 @@ import torch.nn.functional as F
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 WORLD_SIZES = [1, 2, 3, 4]
 B, T = 3, 8
 STEPS = 5
 DTYPE = torch.float64  # every tensor of these tests but the drawn configurations'
-LONG = os.environ.get("LABKIT_LONG") == "1"
+LONG = configs.LONG
 DRAWS = 24 if LONG else 4  # each run sees every dtype, input rank and option (they cycle, from a drawn start)  # drawn configurations per launch (see "drawn configurations" below)
-
-
-def draw_seed() -> int:
-    """A new seed each run (LABKIT_SEED=S repeats one); printed, so a failure shows it."""
-    seed = int(os.environ.get("LABKIT_SEED") or random.SystemRandom().randrange(2**31))
-    print(f"drawn configurations: seed {seed} (repeat: LABKIT_SEED={seed}; more: LABKIT_LONG=1)")
-    return seed
 
 
 def config(**changes):
@@ -472,7 +465,7 @@ def f_g_over(group: Group):
 @task("tp.f_g", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_f_and_g(world_size):
-    run_graded("tp.f_g", f_g_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("tp.f_g", f_g_on_rank, world_size, configs.announce(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- linear layers
@@ -564,13 +557,13 @@ def row_on_rank(seed: int, draws: int):
 @task("tp.column", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_column_parallel_linear(world_size):
-    run_graded("tp.column", column_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("tp.column", column_on_rank, world_size, configs.announce(), DRAWS)
 
 
 @task("tp.row", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_row_parallel_linear(world_size):
-    run_graded("tp.row", row_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("tp.row", row_on_rank, world_size, configs.announce(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -628,13 +621,13 @@ def block_part_on_rank(kind: str, seed: int, draws: int):
 @task("tp.mlp", points=1)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parallel_mlp(world_size):
-    run_graded("tp.mlp", block_part_on_rank, world_size, "mlp", draw_seed(), DRAWS)
+    run_graded("tp.mlp", block_part_on_rank, world_size, "mlp", configs.announce(), DRAWS)
 
 
 @task("tp.attention", points=1.5)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_parallel_attention(world_size):
-    run_graded("tp.attention", block_part_on_rank, world_size, "attention", draw_seed(), DRAWS)
+    run_graded("tp.attention", block_part_on_rank, world_size, "attention", configs.announce(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -699,7 +692,7 @@ def vocab_on_rank(seed: int, draws: int):
 @task("tp.vocab", points=1.5)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_vocab_parallel_embedding_and_loss(world_size):
-    run_graded("tp.vocab", vocab_on_rank, world_size, draw_seed(), DRAWS)
+    run_graded("tp.vocab", vocab_on_rank, world_size, configs.announce(), DRAWS)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -845,7 +838,7 @@ def bad_shapes_on_rank():
 @task("tp.model", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_tensor_parallel_gpt_trains_like_the_single_process_gpt(world_size):
-    run_graded("tp.model", gpt_on_rank, world_size, True, draw_seed(), DRAWS)
+    run_graded("tp.model", gpt_on_rank, world_size, True, configs.announce(), DRAWS)
 
 
 @task("tp.model", points=2)
