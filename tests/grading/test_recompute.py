@@ -761,7 +761,7 @@ def accumulate_padded(rank: int, n: int, seed: int) -> None:
 
 # ----------------------------------------------------------------------------- optimizer offload
 
-def optimizer_offload_on_rank() -> None:
+def optimizer_offload_on_rank(seed: int) -> None:
     from labkit.memory import tensor_bytes
     from labkit.models import GPT
     from labkit.recompute import OffloadedAdamW
@@ -813,7 +813,7 @@ def optimizer_offload_on_rank() -> None:
                                               f"{hyper} (each parameter's own step count)")
                 assert p.dtype == dtype and torch.equal(p.detach(), w.to(dtype)), (
                     f"{what}, step {step}: parameter {i} on the device must be its updated master cast to {dtype}")
-    optimizer_offload_link(rank)
+    optimizer_offload_link(rank, seed)
 
 
 # ----------------------------------------------------------------------------- an emulated device and its link
@@ -895,7 +895,7 @@ class Link(TorchDispatchMode):
         return tree_map(lambda t: OnDevice(t) if isinstance(t, torch.Tensor) else t, out)
 
 
-def optimizer_offload_link(rank: int) -> None:
+def optimizer_offload_link(rank: int, seed: int) -> None:
     """``OffloadedAdamW`` on an emulated device (``Link``): parameters of three dtypes at once
     (bf16, fp16, fp32: 2 + 2 + 4 bytes) in two param groups (the second with its own lr, betas
     and no weight decay), a frozen one, one without a gradient at step 2, random gradients, 3
@@ -903,32 +903,67 @@ def optimizer_offload_link(rank: int) -> None:
     exactly each gradient in its dtype, up exactly each parameter in its dtype (an update run on
     the device, its fp32 state sent up and back, moves 4 bytes a parameter more each way and
     fails); ``moved_bytes`` grows by the measured bytes; the master and moments stay host
-    tensors; master vs torch.optim.AdamW, parameters = master cast."""
-    from labkit.recompute import OffloadedAdamW
+    tensors; master vs torch.optim.AdamW, parameters = master cast. Then drawn cases (the run's
+    seed): 1-6 parameters of those dtypes and drawn shapes, perhaps one frozen, in 1-3 groups
+    each overriding drawn options, gradients missing at drawn steps, 2-4 steps."""
     hyper = dict(lr=3e-2, betas=(0.85, 0.97), eps=1e-7, weight_decay=0.05)
-    gen = torch.Generator().manual_seed(300 + rank)
     shapes = [((4, 3), torch.bfloat16), ((5,), torch.float16), ((2, 2), torch.float32), ((3,), torch.bfloat16)]
+    second = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
+    offload_on_link(f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and "
+                    f"fp32, two param groups (defaults {hyper}; then {second})", hyper, shapes, frozen=3,
+                    groups=[([0, 1], {}), ([2], second)], missing={(1, 1)}, steps=3,
+                    gen=torch.Generator().manual_seed(300 + rank), refusals=True)
+    rng = configs.stream(seed, f"recompute.optimizer_offload:{rank}")
+    for case in range(configs.budget(ci=4, long=40)):
+        count = rng.randint(1, 6)
+        shapes = [(tuple(rng.randint(1, 5) for _ in range(rng.randint(1, 2))),
+                   rng.choice((torch.bfloat16, torch.float16, torch.float32))) for _ in range(count)]
+        frozen = rng.randrange(count) if count > 1 and rng.random() < 0.3 else None
+        trained = [i for i in range(count) if i != frozen]
+        order = rng.sample(range(len(trained)), len(trained))
+        cuts = sorted(rng.sample(range(1, len(trained)), min(rng.randint(0, 2), len(trained) - 1)))
+        groups = []
+        for a, b in zip([0, *cuts], [*cuts, len(trained)]):
+            options = dict(lr=round(rng.uniform(1e-3, 5e-2), 4), betas=(round(rng.uniform(0.5, 0.95), 3),
+                           round(rng.uniform(0.9, 0.999), 4)), eps=10 ** rng.uniform(-8, -5),
+                           weight_decay=rng.choice((0.0, round(rng.uniform(0, 0.2), 3))))
+            groups.append((sorted(order[a:b]), {k: v for k, v in options.items() if rng.random() < 0.6}))
+        steps = rng.randint(2, 4)
+        missing = {(t, i) for t in range(steps) for i in range(len(trained)) if rng.random() < 0.2}
+        defaults = dict(lr=round(rng.uniform(1e-3, 5e-2), 4), betas=(0.9, 0.999), eps=1e-8,
+                        weight_decay=round(rng.uniform(0, 0.1), 3))
+        offload_on_link(f"recompute.optimizer_offload: rank {rank}, drawn case {case}: {shapes}, frozen {frozen}, "
+                        f"groups {groups}, defaults {defaults}, no gradient at (step, i) {sorted(missing)} "
+                        f"{configs.replay('recompute.optimizer_offload')}", defaults, shapes, frozen, groups,
+                        missing, steps, torch.Generator().manual_seed(rng.randrange(10 ** 6)))
+
+
+def offload_on_link(what: str, hyper: dict, shapes: list, frozen, groups: list, missing: set, steps: int,
+                    gen: torch.Generator, refusals: bool = False) -> None:
+    """``steps`` steps of ``OffloadedAdamW`` over parameters of ``shapes`` ((shape, dtype)) on the
+    emulated device, parameter ``frozen`` not trainable, the trainable ones in ``groups`` ((their
+    indices among the trainable, options)); no gradient for (step, i) in ``missing``."""
+    from labkit.recompute import OffloadedAdamW
     with Link() as link:
         params = [nn.Parameter(OnDevice(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)))
                   for shape, dtype in shapes]
-        params[3].requires_grad_(False)  # frozen: not the optimizer's
-        trained = params[:3]
+        if frozen is not None:
+            params[frozen].requires_grad_(False)  # frozen: not the optimizer's
+        trained = [p for i, p in enumerate(params) if i != frozen]
+        dtypes = [p.dtype for p in trained]
         ref_master = [p.inner.detach().float().clone().requires_grad_(True) for p in trained]
-        # two param groups with their own options (the second: no weight decay, another lr and betas)
-        second = dict(lr=1e-2, weight_decay=0.0, betas=(0.9, 0.99))
-        ref_opt = torch.optim.AdamW([{"params": ref_master[:2]}, {"params": ref_master[2:], **second}], **hyper)
-        for bad in ([{"params": params[:2]}, {"params": params[1:3]}], [{"params": params[:2], "momentum": 0.9}]):
-            with pytest.raises(ValueError):
-                OffloadedAdamW(bad, **hyper)
-        opt = OffloadedAdamW([{"params": params[:2]}, {"params": params[2:], **second}], **hyper)
+        ref_opt = torch.optim.AdamW([{"params": [ref_master[i] for i in idx], **opts} for idx, opts in groups], **hyper)
+        if refusals:
+            for bad in ([{"params": params[:2]}, {"params": params[1:3]}], [{"params": params[:2], "momentum": 0.9}]):
+                with pytest.raises(ValueError):
+                    OffloadedAdamW(bad, **hyper)
+        opt = OffloadedAdamW([{"params": [trained[i] for i in idx], **opts} for idx, opts in groups], **hyper)
+        order = [i for idx, _ in groups for i in idx]   # the optimizer's parameter order
         host = opt.master + opt.exp_avg + opt.exp_avg_sq
-        what = (f"recompute.optimizer_offload: rank {rank}, an emulated device, parameters in bf16, fp16 and fp32, "
-                f"two param groups (defaults {hyper}; then {second})")
         assert not any(_is_device(t) for t in host), f"{what}: the master and the moments must live on the host"
-        for step in range(3):
-            grads = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in trained]
-            if step == 1:
-                grads[1] = None  # no gradient this step: nothing moves for it
+        for step in range(steps):
+            grads = [None if (step, i) in missing else
+                     torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for i, p in enumerate(trained)]
             for p, g in zip(trained, grads):
                 p.grad = None if g is None else OnDevice(g.clone())
             link.log.clear()
@@ -948,10 +983,11 @@ def optimizer_offload_link(rank: int) -> None:
             for w, g in zip(ref_master, grads):
                 w.grad = None if g is None else g.float()
             ref_opt.step()
-            for i, (p, w, ref) in enumerate(zip(trained, opt.master, ref_master)):
+            for slot, i in enumerate(order):
+                p, w, ref = trained[i], opt.master[slot], ref_master[i]
                 assert_close(w, ref.detach(), f"{where}: fp32 master of parameter {i} ({p.dtype}) vs torch.optim.AdamW")
-                assert _is_device(p) and p.dtype == shapes[i][1] and torch.equal(p.inner, w.to(p.dtype)), (
-                    f"{where}: parameter {i} must stay on the device in {shapes[i][1]}, equal to its master cast")
+                assert _is_device(p) and p.dtype == dtypes[i] and torch.equal(p.inner, w.to(p.dtype)), (
+                    f"{where}: parameter {i} must stay on the device in {dtypes[i]}, equal to its master cast")
 
 
 # ----------------------------------------------------------------------------- drawn configurations
@@ -1274,7 +1310,7 @@ def test_accumulate(world_size):
 @task("recompute.optimizer_offload", points=2)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_optimizer_offload(world_size):
-    run_graded("recompute.optimizer_offload", optimizer_offload_on_rank, world_size, timeout=120)
+    run_graded("recompute.optimizer_offload", optimizer_offload_on_rank, world_size, configs.announce(), timeout=120)
 
 
 # ----------------------------------------------------------------------------- chunked cross-entropy
