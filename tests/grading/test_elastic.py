@@ -17,7 +17,8 @@ Every task is certified by its technique, not only by its numbers:
   and 4 and training continues on the same loss curve (float64 tolerance); the same state
   as a torch.distributed.checkpoint (DCP) checkpoint of fully_shard; loading communicates
   nothing (each rank reads the rows it needs).
-* elastic.resume: a rank SIGKILLed at a seeded random step and ``launch(...,
+* elastic.resume: a rank (drawn from the run's seed) SIGKILLed before a drawn step after the
+  first checkpoint and ``launch(...,
   max_restarts=1)`` end with the same losses and the same final checkpoint, bit for bit, as
   an uninterrupted run (FSDP and ZeRO from chapters 03-04, float64); the final progress is
   the run's; besides training's own communication, a run issues one all-reduce of the loss
@@ -42,6 +43,7 @@ import torch.distributed as dist
 from labkit.check import assert_close
 from labkit.comm import CommTracer, Op, assert_ops
 from labkit.course.grading import run_graded, task
+from tests.grading import configs
 
 STEPS = 6
 BATCH = 12  # global batch: divides by 1, 2, 3 and 4
@@ -864,8 +866,11 @@ def train_job(kind, root, steps=STEPS, fail_at=None, save_every=2):
 @pytest.mark.parametrize("world_size, kind, save_every", [(2, "zero", 4), (4, "fsdp", 2), (2, "fsdp", 2)])
 def test_a_killed_rank_resumes_exactly(tmp_path, world_size, kind, save_every):
     import labkit
-    step = random.Random(f"{world_size}{kind}").randrange(save_every + 1, STEPS)  # seeded; after a checkpoint
-    victim = world_size - 1
+    # Drawn from the run's seed (tests/grading/configs.py): which rank dies, and before which
+    # step after the first checkpoint.
+    draw = configs.rng(f"elastic.resume:{world_size}:{kind}")
+    step, victim = draw.randrange(save_every + 1, STEPS), draw.randrange(world_size)
+    configs.announce(f"elastic.resume: rank {victim} killed before step {step}")
     clean = run_graded("elastic.resume", train_job, world_size, kind, str(tmp_path / "clean"), STEPS, None, save_every)
     try:
         resumed = labkit.launch(train_job, world_size, kind, str(tmp_path / "killed"), STEPS, (victim, step),
@@ -875,7 +880,8 @@ def test_a_killed_rank_resumes_exactly(tmp_path, world_size, kind, save_every):
     for rank in range(world_size):
         assert resumed[rank] == clean[rank], \
             (f"elastic.resume: {kind}, world size {world_size}, rank {victim} killed before step {step}: "
-             f"rank {rank}'s losses {resumed[rank]} differ from the uninterrupted run's {clean[rank]}")
+             f"rank {rank}'s losses {resumed[rank]} differ from the uninterrupted run's {clean[rank]} "
+             f"{configs.replay()}")
     ours, theirs = final_state(str(tmp_path / "killed")), final_state(str(tmp_path / "clean"))
     assert ours.keys() == theirs.keys(), "elastic.resume: the final checkpoints hold different tensors"
     for name in ours:
