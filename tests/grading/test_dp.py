@@ -35,10 +35,13 @@ embedding. Where PyTorch ships the technique it is compared too (DistributedSamp
   two headers (5 float64 each) from the worker to rank 0, the version (1 float64) and the
   flat parameters (numel x element size) from rank 0 to it, and its flat gradient back; rank
   0 receives the headers from any source and each gradient from the worker named in its
-  header; plus the final broadcast of the parameters.
+  header; plus the final broadcast of the parameters. Staleness 0 also on drawn cases (a
+  drawn float32 model, 2-4 global batches of drawn sizes, a scaled loss, a drawn lr).
 """
 
 import contextlib
+import dataclasses
+import functools
 import threading
 
 import pytest
@@ -674,13 +677,20 @@ def check_ps_ops(tracer, model, steps: int, what: str) -> None:
                f"{what}: rank {rank}'s messages over {steps} iterations ({how}; then one broadcast)")
 
 
-def ps_sync_on_rank() -> None:
+def ps_sync_on_rank(drawn: list[dict]) -> None:
     """Staleness 0 must be synchronous SGD on the global batch, step for step."""
     torch.set_num_threads(1)  # see one_thread()
     from labkit.dp import run_parameter_server
     rank, n = dist.get_rank(), dist.get_world_size()
     # Batch 10 splits unevenly over 3 workers (4+3+3): the server must weight by samples.
-    for name, make_model, loss_fn, batches, lr in cases(10):
+    fixed = cases(10)
+    for case in drawn:   # a drawn float32 model (the server keeps one flat vector), batches, loss
+        spec = case["spec"]
+        x, y = mlp_data(spec, sum(case["batches"]))
+        batches = list(zip(x.split(case["batches"]), y.split(case["batches"])))
+        fixed.append((case["label"], lambda spec=spec: DrawnMLP(spec), functools.partial(loss_in_model_dtype, spec),
+                      batches, case["lr"]))
+    for name, make_model, loss_fn, batches, lr in fixed:
         what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness 0, {name}"
         ref = make_model()
         ref_opt = sgd(ref, lr)
@@ -716,8 +726,29 @@ def ps_sync_on_rank() -> None:
 def test_parameter_server_synchronous(world_size):
     if world_size == 2:  # one rank alone cannot be server and worker
         with pytest.raises(AssertionError, match="at least 2 ranks"):
-            run_graded("dp.parameter_server", ps_sync_on_rank, 1, timeout=30)
-    run_graded("dp.parameter_server", ps_sync_on_rank, world_size, timeout=30)
+            run_graded("dp.parameter_server", ps_sync_on_rank, 1, [], timeout=30)
+    run_graded("dp.parameter_server", ps_sync_on_rank, world_size, draw_servers(world_size), timeout=30)
+
+
+def loss_in_model_dtype(spec, model, x, y) -> torch.Tensor:
+    """The drawn model's loss in its parameters' dtype (float32): the comparisons take its tolerance."""
+    return mlp_loss(spec, model, x, y).to(spec.dtypes[0])
+
+
+def draw_servers(n: int) -> list[dict]:
+    """Drawn synchronous cases: a drawn float32 model (frozen, tied and unused parameters,
+    a scaled loss), 2-4 iterations of global batches of drawn sizes (at least one sample per
+    worker; uneven splits), a drawn learning rate."""
+    rng = configs.rng(f"dp.parameter_server:{n}")
+    out = []
+    for i in range(configs.budget(ci=2, long=20)):
+        spec = draw_model(rng, f"drawn case {i}")
+        # float32 throughout (the drawn model's output is float32 anyway): one flat vector, one tolerance
+        spec = dataclasses.replace(spec, dtypes=(torch.float32,) * len(spec.dtypes))
+        out.append(dict(spec=spec, batches=[rng.randint(n - 1, 3 * n) for _ in range(rng.randint(2, 4))],
+                        lr=round(rng.uniform(0.01, 0.2), 3),
+                        label=f"drawn case {i} {configs.replay(f'dp.parameter_server, world size {n}')}"))
+    return out
 
 
 ASYNC_STEPS = 8
