@@ -21,7 +21,8 @@ kept whole: one all-reduce of its gradient. ``fully_shard`` itself communicates 
 Memory: no full parameter outlives its unit's forward, and a unit is freed before its
 gradients are reduce-scattered. Prefetch: each all-gather but the first of forward and of
 backward is posted before the previous unit computes and waited on after it (the timeline
-of post, compute and wait).
+of post, compute and wait). fsdp.forward also runs drawn configurations (``draw_config``, the
+run's seed): the output, the full parameters each module sees, none alive after forward.
 
 Subgroups (``fully_shard(process_group=...)`` is the one group-taking API; the units keep it),
 each in the same launch as the world, at 3 and 4 ranks (``subgroups``): at 4 the 2x2 grid's
@@ -313,8 +314,9 @@ def check_sharding() -> None:
         check_shards("fsdp.shard", "toy", ref, model, where, group)
 
 
-def forward_on_rank() -> None:
+def forward_on_rank(seed: int, draws: int) -> None:
     one_thread()
+    forward_drawn(seed, draws)
     from labkit.fsdp import UNIT_ATTR, full_state_dict, units_of
     from labkit.memory import param_bytes
     runs = [("toy", None), ("toy1", None), ("gpt", None)]
@@ -396,6 +398,51 @@ def forward_on_rank() -> None:
     for name, p in model.named_parameters():
         assert_close(p.detach(), ref.get_parameter(name).detach(), f"{what}: {name} kept after forward")
     del loss
+
+
+def forward_drawn(seed: int, draws: int) -> None:
+    """fsdp.forward on ``draws`` configurations of ``draw_config`` (the same stream on every rank;
+    every unit resharding after forward): the output against the single-process model, every
+    parameter a module sees while it runs equal to the full one, none of the gathered tensors
+    alive after forward (the graph still alive), the modules on their shards again."""
+    from labkit.fsdp import fully_shard
+    rng = random.Random(f"{seed}/fsdp.forward")
+    groups = [(None, list(range(dist.get_world_size())))] + subgroups()
+    for draw in range(draws):
+        cfg = draw_config(rng, dist.get_world_size())
+        group, ranks = groups[cfg["partition"]]
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        what = (f"fsdp.forward: drawn configuration {draw} of seed {seed} ({cfg}), rank {dist.get_rank()} "
+                f"(rank {rank} of {n} in ranks {ranks})")
+        ref, model = DrawnNet(cfg), DrawnNet(cfg)
+        for i in cfg["units"]:
+            fully_shard(model.layers[i], process_group=group)
+        if cfg["sometimes_unit"]:
+            fully_shard(model.sometimes, process_group=group)
+        fully_shard(model, process_group=group)
+        shards = list(model.parameters())
+        full_ref = dict(ref.named_parameters(remove_duplicate=False))
+        low = min(cfg["dtypes"], key=lambda d: d.itemsize)
+        tol = dict(zip(("rtol", "atol"), tolerance(low)))
+        gen = torch.Generator().manual_seed(cfg["data_seed"])
+        ids = torch.randint(0, cfg["vocab"], (cfg["rows"][rank], cfg["seq"]), generator=gen)
+        use = cfg["use_sometimes"][0]
+        seen = []
+        handles = capture_gathered(model, seen)
+        out = model(ids, use)
+        for h in handles:
+            h.remove()
+        assert_close(out.detach(), ref(ids, use).detach(), f"{what}: output vs the single-process model", **tol)
+        for name, t in seen:
+            assert_close(t.detach(), full_ref[name].detach(), f"{what}: {name} while its module runs forward")
+        storages = {name: StorageWeakRef(t.untyped_storage()) for name, t in seen}
+        del seen, t
+        alive = sorted({name for name, ref_ in storages.items() if not ref_.expired()})
+        assert not alive, f"{what}: after forward the full {alive} are still alive; free them after the unit's forward"
+        now = list(model.parameters())
+        assert len(now) == len(shards) and all(a is b for a, b in zip(now, shards)), \
+            f"{what}: after forward the modules must point at their shards again"
+        del out
 
 
 def train_and_check(task_id: str, kind: str, prefetch: bool, inspect=None, traced_step: int = 0,
@@ -863,7 +910,7 @@ def test_shard(world_size):
 @task("fsdp.forward", points=3)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_forward_gathers_then_frees(world_size):
-    run_graded("fsdp.forward", forward_on_rank, world_size)
+    run_graded("fsdp.forward", forward_on_rank, world_size, configs.announce("fsdp.forward"), DRAWS)
 
 
 @task("fsdp.backward", points=3)
