@@ -22,3 +22,15 @@ def pytest_terminal_summary(terminalreporter, config):
     if started and summary.exists() and summary.stat().st_mtime >= started and not hasattr(config, "workerinput"):
         terminalreporter.write_sep("-", "mutation testing of the grader")
         terminalreporter.write(summary.read_text())
+
+
+# The longest files first (minutes each; the rest take seconds to a minute): under
+# `-n 2 --dist loadfile --no-loadscope-reorder` each worker takes the next file in this order,
+# so these start at once instead of one of them finishing the run alone.
+LONGEST_FIRST = ("tests/test_mutants.py", "tests/test_workspace.py", "tests/test_browser.py",
+                 "tests/test_readme.py", "tests/test_lab_scripts.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))  # stable

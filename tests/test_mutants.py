@@ -34,8 +34,12 @@ def run_in_parallel(groups: list[list[str]], tmp_path: Path) -> list[dict]:
         cmd = [sys.executable, "-m", "pytest", *files, "--mutants", f"--mutants-report={report}",
                "-p", "no:cacheprovider", "-o", "addopts=", "-q", "--tb=no", "-p", "no:xdist"]
         log = open(tmp_path / f"mutants-{n}.log", "w")
+        # Without CI/BUILD_NUMBER: there pytest explains every failed `==` of two lists with a full
+        # difflib diff (quadratic; minutes for perf.search's thousands of layouts), which --tb=no
+        # then throws away.
+        env = {k: v for k, v in os.environ.items() if k not in ("CI", "BUILD_NUMBER")}
         procs.append((subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                       env=dict(os.environ, PYTHONPATH=str(ROOT))), report, log))
+                                       env=dict(env, PYTHONPATH=str(ROOT))), report, log))
     fates = []
     for proc, report, log in procs:
         try:

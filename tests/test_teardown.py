@@ -106,8 +106,10 @@ def interrupt_once_ranks_run(cmd: list[str], cwd: Path) -> tuple[subprocess.Comp
     import uuid
     mark = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=str(ROOT), LABKIT_TEST_MARK=mark, PYTHONUNBUFFERED="1")
+    # A shell runs a foreground job with SIGINT at its default; a job started in the background
+    # of a script (CI's may be) inherits it ignored, and Python then never raises KeyboardInterrupt.
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         while not marked_processes(mark, ranks_only=True):

@@ -1277,13 +1277,15 @@ def test_search_candidates_are_every_valid_layout():
     for axis, limit in (("tp", 2), ("cp", 2), ("ep", 2), ("tp", 4)):
         bounded = list(candidate_layouts(model, 16, 32, **{"max_cp": None, f"max_{axis}": limit}))
         want = [layout for layout in every if getattr(layout, axis) <= limit]
-        assert bounded == want, f"perf.search: max_{axis}={limit}: {len(bounded)} candidates, expected {len(want)}"
+        same = bounded == want  # a bool: pytest would diff two lists of thousands of layouts
+        assert same, f"perf.search: max_{axis}={limit}: {len(bounded)} candidates, expected {len(want)}"
     # the stack's options reach every layout: Megatron's TP re-gather (the default) or torch's plan
     for flag in (True, False):
         got = list(candidate_layouts(model, 16, 32, max_cp=None, tp_regather=flag))
         want = [replace(layout, tp_regather=flag) for layout in every]
-        assert got == want, f"perf.search: candidate_layouts(tp_regather={flag}) yields other layouts " \
-                            f"({sorted({layout.tp_regather for layout in got})} for tp_regather)"
+        same = got == want
+        assert same, f"perf.search: candidate_layouts(tp_regather={flag}) yields other layouts " \
+                     f"({sorted({layout.tp_regather for layout in got})} for tp_regather)"
 
 
 _SCHEDULES_ALL = ("gpipe", "1f1b", "interleaved")
