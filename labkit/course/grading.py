@@ -316,7 +316,8 @@ def pytest_runtest_makereport(item, call):
         record["outcome"] = "failed" if report.failed else "skipped"
         error = call.excinfo.value if call.excinfo is not None else None
         if getattr(error, "details", ""):  # the rank's own traceback, printed as lines
-            report.sections.append((f"where it failed (world size {error.world_size})", error.details))
+            size = getattr(error, "world_size", None)   # a GradedFailure's; a judge's child may carry none
+            report.sections.append((f"where it failed{f' (world size {size})' if size else ''}", error.details))
         record["output"] = unescape_tracebacks(_failure_text(report, error))
         record["details"] = unescape_tracebacks(getattr(error, "details", "") or str(report.longrepr))
         record["frame"] = learner_frame(record["details"] + "\n" + str(report.longrepr))
