@@ -1234,18 +1234,7 @@ def bias_balance_on_rank(seed: int) -> None:
             assert_ops(tracer, [], where + ": count communicates nothing")
             assert torch.equal(balancer.counts, counts), \
                 f"{where}: counts after count() of this rank's choices: got {balancer.counts.tolist()}, want {counts.tolist()}"
-            with CommTracer() as tracer:
-                got = balancer.update()
-            ref = ref_bias_step(ref, torch.tensor(B_LOADS[step]), B_GAMMA)
-            assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
-            assert balancer.bias.dtype == torch.float32 and balancer.bias.shape == (B_EXPERTS,), \
-                f"{where}: bias must be float32 [E], got {balancer.bias.dtype} {tuple(balancer.bias.shape)}"
-            assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over the group",
-                         rtol=0, atol=1e-6)
-            assert torch.equal(balancer.counts, torch.zeros_like(counts)), \
-                f"{where}: update must zero the counts for the next step, got {balancer.counts.tolist()}"
-            assert_sequence(tracer, [Op("all_reduce", B_EXPERTS * 8, members)],
-                            where + f" (one all-reduce of the E int64 counts in group {members})")
+            ref = check_update(balancer, ref, torch.tensor(B_LOADS[step]), B_GAMMA, members, where)
             every = [torch.empty_like(balancer.bias) for _ in members]
             dist.all_gather(every, balancer.bias.clone(), group=group)
             assert all(torch.equal(b, balancer.bias) for b in every), f"{where}: the bias differs between ranks of the group"
@@ -1254,6 +1243,26 @@ def bias_balance_on_rank(seed: int) -> None:
             balancer_steps(balancer_cls=BiasBalancer, group=group, members=members, me=me, k=k,
                            what=f"moe.bias_balance: BiasBalancer.route on rank {rank}, {group_name}, k={k}")
     bias_balance_drawn(seed)
+
+
+def check_update(balancer, ref: torch.Tensor, load: torch.Tensor, gamma: float, members: list, where: str):
+    """``balancer.update()`` against the loop on the group's ``load``: the bias (float32 [E], the
+    same tensor, moved by gamma sign(mean - load)), the counts zeroed, one all-reduce of the E
+    int64 counts in the group. Returns the loop's new bias."""
+    experts = load.numel()
+    with CommTracer() as tracer:
+        got = balancer.update()
+    ref = ref_bias_step(ref, load, gamma)
+    assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
+    assert balancer.bias.dtype == torch.float32 and balancer.bias.shape == (experts,), \
+        f"{where}: bias must be float32 [E], got {balancer.bias.dtype} {tuple(balancer.bias.shape)}"
+    assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over the group",
+                 rtol=0, atol=1e-6)
+    assert torch.equal(balancer.counts, torch.zeros(experts, dtype=torch.int64)), \
+        f"{where}: update must zero the counts for the next step, got {balancer.counts.tolist()}"
+    assert_sequence(tracer, [Op("all_reduce", experts * 8, members)],
+                    where + f" (one all-reduce of the E int64 counts in group {members})")
+    return ref
 
 
 def bias_balance_drawn(seed: int) -> None:
@@ -1295,15 +1304,7 @@ def bias_balance_drawn(seed: int) -> None:
                 assert_ops(tracer, [], where + ": count communicates nothing")
                 assert torch.equal(balancer.counts, mine), \
                     f"{where}: counts after count() of routings with k in {ks[step]}: got {balancer.counts.tolist()}"
-                with CommTracer() as tracer:
-                    got = balancer.update()
-                ref = ref_bias_step(ref, load, gamma)
-                assert got is balancer.bias, f"{where}: update must return self.bias (updated in place)"
-                assert_close(balancer.bias, ref, where + ": bias += gamma sign(mean load - load), load summed over "
-                             "the group", rtol=0, atol=1e-6)
-                assert torch.equal(balancer.counts, torch.zeros_like(mine)), f"{where}: update must zero the counts"
-                assert_sequence(tracer, [Op("all_reduce", experts * 8, members)],
-                                where + f" (one all-reduce of the E int64 counts in group {members})")
+                ref = check_update(balancer, ref, load, gamma, members, where)
 
 
 MICRO_TOKENS = (13, 7, 10)  # tokens of each micro-batch of a step: different lengths
