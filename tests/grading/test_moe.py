@@ -163,13 +163,39 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def near(actual, expected, what: str) -> None:
+def near(actual, expected, what: str, terms: torch.Tensor | None = None) -> None:
     """assert_close with labkit.check's tolerance for ``expected``'s dtype, atol raised to
-    rtol x max|expected| (a reordered sum of terms of that size differs by that much)."""
+    rtol x max|expected| (a reordered sum of terms of that size differs by that much), or to
+    rtol x max ``terms`` where ``expected`` sums parts that may cancel (``terms``: their largest
+    magnitudes, from ``reference_over_ranks``)."""
     rtol, atol = tolerance(expected.dtype)
     if expected.is_floating_point() and expected.numel():
-        atol = max(atol, rtol * expected.detach().abs().max().double().item())
+        scale = expected.detach().abs().max().double().item()
+        if terms is not None and terms.numel():
+            scale = max(scale, terms.max().item())
+        atol = max(atol, rtol * scale)
     assert_close(actual, expected, what, rtol=rtol, atol=atol)
+
+
+def reference_over_ranks(reference, xs: list, params: list, loss, me: int):
+    """One process standing in for a group: ``reference(x, *params)`` on each group rank's
+    input, and the gradients of sum_r ``loss(r, *outputs of r)``, taken per rank and summed in
+    float64 as the group sums its ranks' parts. Sets each ``x.grad``. Returns (rank ``me``'s
+    outputs, each parameter's summed gradient in its dtype, each one's ``terms`` for ``near``:
+    the largest |part| elementwise). In bfloat16 two ranks' parts can cancel to an exact 0 that
+    the layer, summing once in float32, misses by a rounding of the parts (CI, seed 2075568586)."""
+    mine, parts = None, []
+    for r, x in enumerate(xs):
+        outputs = reference(x, *params)
+        grads = torch.autograd.grad(loss(r, *outputs), [x, *params], allow_unused=True)
+        x.grad = grads[0]
+        parts.append([torch.zeros_like(p, dtype=torch.float64) if g is None else g.double()
+                      for p, g in zip(params, grads[1:])])
+        if r == me:
+            mine = outputs
+    sums = [sum(each).to(p.dtype) for p, each in zip(params, zip(*parts))]
+    terms = [torch.stack(each).abs().amax(0) for each in zip(*parts)]
+    return mine, sums, terms
 
 
 def assert_sequence(tracer: CommTracer, want: list, what: str) -> None:
@@ -825,13 +851,9 @@ def layer_on_rank() -> None:
                 assert p.dtype == dtype, f"{what}: {name_p} must be {dtype}, got {p.dtype}"
             xs = [layer_tokens(r, salt, dtype, uneven).requires_grad_(True) for r in range(m)]
             ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
-            ref_total = 0
-            for r, x in enumerate(xs):
-                y, aux, z = reference_moe(x, *ref, k, factor)
-                ref_total = ref_total + (y.double().pow(2).sum() + aux.double() + z.double())
-                if r == me:
-                    ref_y, ref_aux, ref_z = y, aux, z
-            ref_total.backward()
+            (ref_y, ref_aux, ref_z), ref_grads, terms = reference_over_ranks(
+                lambda x, *p: reference_moe(x, *p, k, factor), xs, ref,
+                lambda r, y, aux, z: y.double().pow(2).sum() + aux.double() + z.double(), me)
             x = xs[me].detach().clone().requires_grad_(True)
             with CommTracer() as tracer:
                 y, aux = layer(x)
@@ -841,11 +863,11 @@ def layer_on_rank() -> None:
             near(layer.z_loss, ref_z, what + ": z-loss")
             near(x.grad, xs[me].grad, what + ": input gradient (through combine, experts and dispatch)")
             mine = slice(me * local, (me + 1) * local)
-            near(layer.w1.grad, ref[1].grad[mine], what + ": w1 gradient of my experts (tokens of every group rank)")
-            near(layer.w2.grad, ref[2].grad[mine], what + ": w2 gradient of my experts (tokens of every group rank)")
+            near(layer.w1.grad, ref_grads[1][mine], what + ": w1 gradient of my experts (tokens of every group rank)", terms[1][mine])
+            near(layer.w2.grad, ref_grads[2][mine], what + ": w2 gradient of my experts (tokens of every group rank)", terms[2][mine])
             gate_grad = layer.gate.grad.clone()
             dist.all_reduce(gate_grad, group=group)
-            near(gate_grad, ref[0].grad, what + ": gate gradient summed over the group")
+            near(gate_grad, ref_grads[0], what + ": gate gradient summed over the group", terms[0])
             routing = reference_routing([t.detach() for t in xs], gate, k, factor, num_experts)
             sent = routing[me][0].numel()
             received = sum(((kept // local) == me).sum().item() for kept, _ in routing)
@@ -974,13 +996,9 @@ def layer_drawn_on_rank(seed: int, cases: int) -> None:
             a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
             where = f"{what}, {call} on inputs {shapes}"
             ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2)]
-            ref_total = 0
-            for r, (x, g) in enumerate(zip(xs, gs)):
-                y, aux, z = reference_moe(x, *ref, k, factor)
-                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
-                if r == me:
-                    ref_y, ref_aux, ref_z = y, aux, z
-            ref_total.backward()
+            (ref_y, ref_aux, ref_z), ref_grads, terms = reference_over_ranks(
+                lambda x, *p: reference_moe(x, *p, k, factor), xs, ref,
+                lambda r, y, aux, z: (y * gs[r]).sum().double() + a_aux * aux.double() + a_z * z.double(), me)
             layer.zero_grad()
             x = xs[me].detach().clone().requires_grad_(True)
             y, aux = layer(x)
@@ -992,11 +1010,11 @@ def layer_drawn_on_rank(seed: int, cases: int) -> None:
             near(layer.z_loss, ref_z, where + ": z-loss")
             near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
             mine = slice(me * local, (me + 1) * local)
-            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my experts")
-            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my experts")
+            near(layer.w1.grad, ref_grads[1][mine], where + ": w1 gradient of my experts", terms[1][mine])
+            near(layer.w2.grad, ref_grads[2][mine], where + ": w2 gradient of my experts", terms[2][mine])
             gate_grad = layer.gate.grad.clone()
             dist.all_reduce(gate_grad, group=group)
-            near(gate_grad, ref[0].grad, where + ": gate gradient summed over the group")
+            near(gate_grad, ref_grads[0], where + ": gate gradient summed over the group", terms[0])
 
 
 # ----------------------------------------------------------------------------- EP x DP
@@ -1601,13 +1619,9 @@ def shared_drawn_on_rank(cases: list) -> None:
             a_aux, a_z = (torch.rand((), generator=gen, dtype=torch.float64).item() for _ in range(2))
             where = f"{what}, call {call + 1} on inputs {shapes}"
             ref = [p.clone().requires_grad_(True) for p in params]
-            ref_total = 0
-            for r, (x, g) in enumerate(zip(xs, gs)):
-                y, aux, z = shared_reference(x, *ref, k, factor)
-                ref_total = ref_total + (y * g).sum().double() + a_aux * aux.double() + a_z * z.double()
-                if r == me:
-                    ref_y, ref_aux, ref_z = y, aux, z
-            ref_total.backward()
+            (ref_y, ref_aux, ref_z), ref_grads, terms = reference_over_ranks(
+                lambda x, *p: shared_reference(x, *p, k, factor), xs, ref,
+                lambda r, y, aux, z: (y * gs[r]).sum().double() + a_aux * aux.double() + a_z * z.double(), me)
             layer.zero_grad()
             x = xs[me].detach().clone().requires_grad_(True)
             y, aux = layer(x)
@@ -1619,15 +1633,17 @@ def shared_drawn_on_rank(cases: list) -> None:
             near(layer.z_loss, ref_z, where + ": z-loss")
             near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
             mine = slice(me * c["local"], (me + 1) * c["local"])
-            near(layer.w1.grad, ref[1].grad[mine], where + ": w1 gradient of my routed experts")
-            near(layer.w2.grad, ref[2].grad[mine], where + ": w2 gradient of my routed experts")
-            ref_sw1, ref_sw2 = fused(ref[3].grad, ref[4].grad)
-            for got, want, pname in ((layer.gate, ref[0].grad, "gate"), (layer.shared_w1, ref_sw1, "shared_w1"),
-                                     (layer.shared_w2, ref_sw2, "shared_w2")):
+            near(layer.w1.grad, ref_grads[1][mine], where + ": w1 gradient of my routed experts", terms[1][mine])
+            near(layer.w2.grad, ref_grads[2][mine], where + ": w2 gradient of my routed experts", terms[2][mine])
+            ref_sw1, ref_sw2 = fused(ref_grads[3], ref_grads[4])
+            sw_terms = fused(terms[3], terms[4])
+            for got, want, pname, scale in ((layer.gate, ref_grads[0], "gate", terms[0]),
+                                            (layer.shared_w1, ref_sw1, "shared_w1", sw_terms[0]),
+                                            (layer.shared_w2, ref_sw2, "shared_w2", sw_terms[1])):
                 assert got.grad is not None, f"{where}: {pname} got no gradient"
                 total = got.grad.clone()
                 dist.all_reduce(total, group=group)
-                near(total, want, where + f": {pname} gradient summed over the group")
+                near(total, want, where + f": {pname} gradient summed over the group", scale)
 
 
 def shared_overlap_on_rank(drawn: list = ()) -> None:
@@ -1660,13 +1676,9 @@ def shared_overlap_on_rank(drawn: list = ()) -> None:
                     layer.gate.copy_(gate)
             xs = [layer_tokens(r, 300 + salt, dtype, uneven).requires_grad_(True) for r in range(m)]
             ref = [p.clone().requires_grad_(True) for p in (gate, w1, w2, sw1, sw2)]
-            ref_total = 0
-            for r, x in enumerate(xs):
-                y, aux, z = shared_reference(x, *ref, k, factor)
-                ref_total = ref_total + (y.double().pow(2).sum() + aux.double() + z.double())
-                if r == me:
-                    ref_y, ref_aux, ref_z = y, aux, z
-            ref_total.backward()
+            (ref_y, ref_aux, ref_z), ref_grads, terms = reference_over_ranks(
+                lambda x, *p: shared_reference(x, *p, k, factor), xs, ref,
+                lambda r, y, aux, z: y.double().pow(2).sum() + aux.double() + z.double(), me)
             x = xs[me].detach().clone().requires_grad_(True)
             with SharedTracer(members, what, (S_FFN, shared * S_FFN)) as tracer:
                 y, aux = layer(x)
@@ -1676,15 +1688,17 @@ def shared_overlap_on_rank(drawn: list = ()) -> None:
             near(layer.z_loss, ref_z, what + ": z-loss")
             near(x.grad, xs[me].grad, what + ": input gradient (shared experts, combine, routed experts, dispatch)")
             mine = slice(me * local, (me + 1) * local)
-            near(layer.w1.grad, ref[1].grad[mine], what + ": w1 gradient of my routed experts")
-            near(layer.w2.grad, ref[2].grad[mine], what + ": w2 gradient of my routed experts")
-            ref_sw1, ref_sw2 = fused(ref[3].grad, ref[4].grad)
-            for got, want, pname in ((layer.gate, ref[0].grad, "gate"), (layer.shared_w1, ref_sw1, "shared_w1"),
-                                     (layer.shared_w2, ref_sw2, "shared_w2")):
+            near(layer.w1.grad, ref_grads[1][mine], what + ": w1 gradient of my routed experts", terms[1][mine])
+            near(layer.w2.grad, ref_grads[2][mine], what + ": w2 gradient of my routed experts", terms[2][mine])
+            ref_sw1, ref_sw2 = fused(ref_grads[3], ref_grads[4])
+            sw_terms = fused(terms[3], terms[4])
+            for got, want, pname, scale in ((layer.gate, ref_grads[0], "gate", terms[0]),
+                                            (layer.shared_w1, ref_sw1, "shared_w1", sw_terms[0]),
+                                            (layer.shared_w2, ref_sw2, "shared_w2", sw_terms[1])):
                 assert got.grad is not None, f"{what}: {pname} got no gradient"
                 total = got.grad.clone()
                 dist.all_reduce(total, group=group)
-                near(total, want, what + f": {pname} gradient summed over the group (replicated, like the gate)")
+                near(total, want, what + f": {pname} gradient summed over the group (replicated, like the gate)", scale)
             routing = reference_routing([t.detach() for t in xs], gate, k, factor, num_experts)
             sent = routing[me][0].numel()
             received = sum(((kept // local) == me).sum().item() for kept, _ in routing)
