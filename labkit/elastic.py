@@ -211,14 +211,15 @@ def capture_state(model: nn.Module, optimizer, progress: Progress) -> dict:
 def restore_state(state: dict, model: nn.Module, optimizer) -> Progress:
     """The inverse of ``capture_state`` on the same layout: write the pieces back into the
     model and optimizer (its state and every group's options), restore both RNGs, return the
-    ``Progress``."""
-    # BEGIN SOLUTION elastic.state: put_model_rows / put_optimizer_rows with each piece's tensor; put_group_options; torch.set_rng_state, random.setstate; Progress(**state["progress"])
+    ``Progress``. ``state`` is left as it was, so it can be restored again: the returned
+    progress owns its loss list."""
+    # BEGIN SOLUTION elastic.state: put_model_rows / put_optimizer_rows with each piece's tensor; put_group_options; torch.set_rng_state, random.setstate; Progress(**state["progress"]) with a copy of its loss list
     put_model_rows(model, {name: piece.tensor for name, piece in state["model"].items()})
     put_optimizer_rows(optimizer, model, {name: piece.tensor for name, piece in state["optimizer"].items()})
     put_group_options(optimizer, state["groups"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return Progress(**state["progress"])
+    return Progress(**dict(state["progress"], losses=list(state["progress"]["losses"])))
     # END SOLUTION
 
 

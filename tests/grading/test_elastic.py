@@ -3,8 +3,10 @@
 Every task is certified by its technique, not only by its numbers:
 
 * elastic.state: what the state holds (every piece of the model and optimizer, both RNGs,
-  a copy of the progress) and that training continues exactly after restore_state; no
-  communication.
+  a copy of the progress) and that training continues exactly after restore_state, twice from
+  the same state; no communication. Besides the listed case, drawn ones (a new seed each run):
+  the optimizer (AdamW, SGD with momentum, Adam with AMSGrad: other state keys), the steps
+  before and after the capture, the progress, and a restore into a fresh model and optimizer.
 * elastic.save: faults injected from outside the learner's code (``CrashImages``): the
   file-system calls of a save are wrapped and, at every one of them, the disk is imaged as a
   crash there would leave it (and every file written, as a crash halfway through it would);
@@ -68,7 +70,14 @@ def my_batch(step):
     return x[first:first + share], y[first:first + share]
 
 
-def build(kind: str):
+OPTIMIZERS = {  # name -> (class, options): each keeps other state (AMSGrad a third moment)
+    "AdamW": (torch.optim.AdamW, dict(lr=1e-2)),
+    "SGD with momentum": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+    "Adam with AMSGrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+}
+
+
+def build(kind: str, optimizer: str = "AdamW"):
     """(model, optimizer) for this rank: the GPT under the learner's FSDP (per block + root),
     or replicated with the learner's ZeRO-2 optimizer (which averages the gradients)."""
     from labkit.fsdp import fully_shard
@@ -76,12 +85,13 @@ def build(kind: str):
     from labkit.zero import ShardedOptimizer
     torch.set_num_threads(1)
     model = GPT(gpt_config()).double()
+    cls, options = OPTIMIZERS[optimizer]
     if kind == "fsdp":
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        return model, torch.optim.AdamW(param_groups(model), lr=1e-2)
-    return model, ShardedOptimizer(param_groups(model), torch.optim.AdamW, shard_gradients=True, lr=1e-2)
+        return model, cls(param_groups(model), **options)
+    return model, ShardedOptimizer(param_groups(model), cls, shard_gradients=True, **options)
 
 
 def param_groups(model) -> list[dict]:
@@ -159,13 +169,42 @@ def save_ops(events, rank: int, n: int, state: dict | None, what: str, saves: in
 # ----------------------------------------------------------------------------- elastic.state
 
 
-def state_on_rank(kind: str):
+def state_on_rank(kind: str, run_seed: int):
+    """The listed case (AdamW, capture after two steps, restore into the model that went on),
+    then drawn ones (``draw_state``)."""
+    check_state(kind, dict(optimizer="AdamW", before=2, after=2, fresh=False, step=2, epoch=1,
+                           position=2 * BATCH, history=[]), f"elastic.state: {kind}")
+    draw = configs.stream(run_seed, f"elastic.state/{kind}")
+    first = draw.randrange(len(OPTIMIZERS))
+    for case in range(2):
+        c = draw_state(draw, case, first)
+        check_state(kind, c, f"elastic.state: {kind}, drawn: {c} [LABKIT_SEED={run_seed} replays it]")
+
+
+def draw_state(draw: random.Random, case: int, first: int) -> dict:
+    """An optimizer (its state keys differ), the steps trained before the capture and after it,
+    the progress (any step, epoch, position and earlier losses), and where the state is restored:
+    the model that trained on, or a fresh model and optimizer (a new process's resume). The two
+    cases of a launch take two different optimizers (so one is not AdamW) and restore into one
+    of each."""
+    before = draw.randint(1, 3)
+    names = sorted(OPTIMIZERS)
+    return dict(optimizer=names[(first + case) % len(names)], before=before, after=draw.randint(1, 3),
+                fresh=(case + draw.randrange(2)) % 2 == 1, step=before + draw.randrange(50),
+                epoch=draw.randrange(5), position=draw.randrange(1000),
+                history=[round(draw.uniform(0, 5), 3) for _ in range(draw.randrange(4))])
+
+
+def options_of(opt) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def check_state(kind: str, c: dict, what: str) -> None:
     from labkit.elastic import Progress, capture_state, model_pieces, optimizer_pieces, restore_state
-    rank = dist.get_rank()
-    what = f"elastic.state: {kind}: rank {rank}"
-    model, opt = build(kind)
-    losses = train_steps(model, opt, 0, 2)
-    progress = Progress(step=2, epoch=1, position=2 * BATCH, losses=list(losses))
+    what = f"{what}: rank {dist.get_rank()}"
+    model, opt = build(kind, c["optimizer"])
+    losses = c["history"] + train_steps(model, opt, 0, c["before"])
+    progress = Progress(step=c["step"], epoch=c["epoch"], position=c["position"], losses=list(losses))
     with CommTracer() as captured:
         state = capture_state(model, opt, progress)
     for key in ("model", "optimizer", "progress", "rng"):
@@ -179,36 +218,43 @@ def state_on_rank(kind: str):
                 f"{what}: state[{section!r}][{name!r}] is not this rank's piece at capture time"
     assert set(state["rng"]) >= {"torch", "python"}, \
         f"{what}: state['rng'] holds {sorted(state['rng'])}; both RNG states (torch, python) are needed"
-    state_options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    state_options = options_of(opt)
     progress.losses.append(99.0)  # the caller's run goes on: the captured state may not
     progress.step = 99
     draw = (torch.rand(3), random.random())
-    first_run = train_steps(model, opt, 2, 2)
-    options = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    with CommTracer() as restored:
-        back = restore_state(state, model, opt)
-    now = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    assert [g["lr"] for g in now] != [g["lr"] for g in options] and now == state_options, \
-        (f"{what}: after restore_state the param groups' options are {now}; at capture they were {state_options} "
-         "(an LR schedule changed them since: capture and restore every group's options)")
-    assert (back.step, back.epoch, back.position, back.losses) == (2, 1, 2 * BATCH, losses), \
-        (f"{what}: restored progress (step, epoch, position, losses) = "
-         f"{(back.step, back.epoch, back.position, back.losses)}, "
-         f"captured {(2, 1, 2 * BATCH, losses)} (copy the loss list: the run appends to its own)")
-    again = (torch.rand(3), random.random())
-    assert torch.equal(draw[0], again[0]), f"{what}: the torch RNG state was not restored"
-    assert draw[1] == again[1], f"{what}: the python RNG state (random) was not restored"
-    second_run = train_steps(model, opt, 2, 2)
-    assert first_run == second_run, \
-        f"{what}: after restore_state the next steps give {second_run}, not {first_run}"
-    no_communication(captured.events + restored.events,
-                     f"{what}: capture_state and restore_state are local (no communication)")
+    first_run = train_steps(model, opt, c["before"], c["after"])
+    options = options_of(opt)
+    if c["fresh"]:
+        model, opt = build(kind, c["optimizer"])  # a new process: its own init, no optimizer state yet
+    captured_progress = (c["step"], c["epoch"], c["position"], losses)
+    events = captured.events
+    for attempt in ("restored", "restored again from the same state (the first resume's run went on)"):
+        with CommTracer() as restored:
+            back = restore_state(state, model, opt)
+        events = events + restored.events
+        now = options_of(opt)
+        assert now == state_options and [g["lr"] for g in now] != [g["lr"] for g in options], \
+            (f"{what}: {attempt}: the param groups' options are {now}; at capture they were {state_options} "
+             "(an LR schedule changed them since: capture and restore every group's options)")
+        got = (back.step, back.epoch, back.position, back.losses)
+        assert got == captured_progress, \
+            (f"{what}: {attempt}: progress (step, epoch, position, losses) = {got}, captured "
+             f"{captured_progress} (copy the loss list: the run appends to its own)")
+        again = (torch.rand(3), random.random())
+        assert torch.equal(draw[0], again[0]), f"{what}: {attempt}: the torch RNG state was not restored"
+        assert draw[1] == again[1], f"{what}: {attempt}: the python RNG state (random) was not restored"
+        second_run = train_steps(model, opt, c["before"], c["after"])
+        assert first_run == second_run, \
+            f"{what}: {attempt}: the next steps give {second_run}, not {first_run}"
+        back.losses.append(98.0)  # the resumed run goes on: the state it came from may not
+        back.step += 1
+    no_communication(events, f"{what}: capture_state and restore_state are local (no communication)")
 
 
 @task("elastic.state", points=2)
 @pytest.mark.parametrize("kind", ["fsdp", "zero"])
 def test_capture_and_restore_continue_exactly(kind):
-    run_graded("elastic.state", state_on_rank, 2, kind)
+    run_graded("elastic.state", state_on_rank, 2, kind, configs.announce("elastic.state"))
 
 
 

@@ -23,8 +23,19 @@ MUTANTS = [
            find="progress=dict(vars(progress), losses=list(progress.losses)),",
            replace="progress=dict(vars(progress)),"),
     Mutant("elastic.state", "python_rng_not_restored", "restores torch's RNG and forgets Python's random",
-           find='    random.setstate(state["rng"]["python"])\n    return Progress(**state["progress"])',
-           replace='    return Progress(**state["progress"])'),
+           find='    random.setstate(state["rng"]["python"])\n',
+           replace=''),
+    Mutant("elastic.state", "restored_losses_shared",
+           "the restored progress is built from the state's dict as it is: the resumed run appends its "
+           "losses to the state's own list, and restoring that state again brings them back",
+           find='Progress(**dict(state["progress"], losses=list(state["progress"]["losses"])))',
+           replace='Progress(**state["progress"])'),
+    Mutant("elastic.state", "adam_moments_only",
+           "keeps the optimizer state a checkpoint usually has (Adam's step and two moments) by name: "
+           "SGD's momentum buffer and AMSGrad's running maximum are not captured",
+           find="return dict(model=model_pieces(model), optimizer=optimizer_pieces(optimizer, model),",
+           replace="return dict(model=model_pieces(model), optimizer={name: piece for name, piece in "
+                   "optimizer_pieces(optimizer, model).items() if name.rsplit('::', 1)[1] in ('step', 'exp_avg', 'exp_avg_sq')},"),
     Mutant("elastic.state", "torch_rng_not_captured",
            "captures only Python's RNG state (the GPT has no dropout, so why torch's?)",
            find='rng=dict(torch=torch.get_rng_state(), python=random.getstate()))',
