@@ -13,7 +13,9 @@ Every task is certified by its technique, not only by its numbers:
   every image must hold the previous checkpoint or the new one complete, and be what
   latest_checkpoint/load_checkpoint find. A save restarted over a crashed one's leftovers
   must succeed. Its communication is exactly gather_object's (an all-gather of the N object
-  sizes, one gather of the small digest and piece index to rank 0) and two barriers.
+  sizes, one gather of the small digest and piece index to rank 0) and two barriers. Drawn
+  runs of saves (a new seed each run): ``keep`` from 1 to 3, step numbers with drawn gaps, a
+  root that does not exist yet given as a str or a Path; the root holds the ``keep`` newest.
 * elastic.load: damaged, foreign and half-written checkpoints are refused by name (also by
   latest_checkpoint, which skips them); a checkpoint saved at world size 2 loads at 1, 3
   and 4 and training continues on the same loss curve (float64 tolerance); the same state
@@ -552,9 +554,10 @@ def judge_image(image: Path, n: int, rank: int, states: dict, previous: int, new
         f"{what}: load_checkpoint({step_name(holds)}) does not give back the state saved at step {holds}"
 
 
-def crash_everywhere_on_rank(tmp: str):
+def crash_everywhere_on_rank(tmp: str, run_seed: int):
     """Saves at steps 2 and 4; then the step-6 save under ``CrashImages``: every image of the
-    disk it passes through is judged; then a save restarted over the leftovers of a crash."""
+    disk it passes through is judged; then a save restarted over the leftovers of a crash; then
+    drawn runs of saves (``drawn_saves``)."""
     from labkit.elastic import Progress, capture_state, save_checkpoint
     rank, n = dist.get_rank(), dist.get_world_size()
     root, tmp = Path(tmp) / "ckpt", Path(tmp)
@@ -621,13 +624,51 @@ def crash_everywhere_on_rank(tmp: str):
     assert problem is None, (f"elastic.save: world size {n}: step 6 saved a second time (the state one step "
                              f"later): {step_name(6)} is not the new save: {problem}")
     save_ops(tracer.events, rank, n, again, f"elastic.save: world size {n}: rank {rank}: step 6 saved again")
+    drawn_saves(tmp, run_seed, model, opt)
     return total
+
+
+def drawn_saves(tmp: Path, run_seed: int, model, opt) -> None:
+    """Drawn runs of saves: ``keep`` from 1 to 3 (the two runs of a launch take different values,
+    so one is not the default), 2 to 4 more saves than kept at increasing step numbers with
+    drawn gaps, into a root that does not exist yet, given as a str or a Path. After each save
+    the root holds exactly the ``keep`` newest checkpoints, each complete, and the save returns
+    its directory; the communication is one save's, every time."""
+    from labkit.elastic import Progress, capture_state, save_checkpoint
+    rank, n = dist.get_rank(), dist.get_world_size()
+    draw = configs.stream(run_seed, "elastic.save")
+    first = draw.randrange(3)
+    for run in range(2):
+        keep = 1 + (first + run) % 3
+        steps = [0]
+        for _ in range(keep + draw.randint(2, 4)):
+            steps.append(steps[-1] + draw.randint(1, 40))
+        steps = steps[1:]
+        root = tmp / f"drawn{run}" / "nested" / "checkpoints"
+        as_str = draw.random() < 0.5
+        what = (f"elastic.save: world size {n}: rank {rank}: saves at steps {steps} with keep={keep} into a new "
+                f"root given as {'a str' if as_str else 'a Path'} [LABKIT_SEED={run_seed} replays it]")
+        states = {}
+        for i, step in enumerate(steps):
+            train_steps(model, opt, i % STEPS, 1)
+            states[step] = capture_state(model, opt, Progress(step=step, position=draw.randrange(1000)))
+            with CommTracer() as tracer:
+                got = save_checkpoint(states[step], str(root) if as_str else root, step, keep=keep)
+            assert Path(got) == root / step_name(step), f"{what}: the save at step {step} returned {got}, not its directory"
+            newest = sorted(states)[-keep:]
+            left = sorted(p.name for p in root.iterdir())
+            assert left == [step_name(s) for s in newest], \
+                f"{what}: after the save at step {step} the root holds {left}; expected the {keep} newest, {newest}"
+            for s in newest:
+                problem = checkpoint_problem(root / step_name(s), s, n, rank, states[s])
+                assert problem is None, f"{what}: after the save at step {step}, {step_name(s)}: {problem}"
+            save_ops(tracer.events, rank, n, states[step], f"{what}: the save at step {step}")
 
 
 @task("elastic.save", points=3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_crash_at_any_file_system_step_leaves_a_complete_checkpoint(tmp_path, world_size):
-    run_graded("elastic.save", crash_everywhere_on_rank, world_size, str(tmp_path))
+    run_graded("elastic.save", crash_everywhere_on_rank, world_size, str(tmp_path), configs.announce("elastic.save"))
 
 
 # ----------------------------------------------------------------------------- elastic.load: refusals
