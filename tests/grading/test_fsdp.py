@@ -23,6 +23,8 @@ gradients are reduce-scattered. Prefetch: each all-gather but the first of forwa
 backward is posted before the previous unit computes and waited on after it (the timeline
 of post, compute and wait). fsdp.forward also runs drawn configurations (``draw_config``, the
 run's seed): the output, the full parameters each module sees, none alive after forward.
+fsdp.prefetch too: drawn models trained with every unit prefetching while the order of the
+units changes once (a unit joins it), then a step in the same order traced for overlap.
 
 Subgroups (``fully_shard(process_group=...)`` is the one group-taking API; the units keep it),
 each in the same launch as the world, at 3 and 4 ranks (``subgroups``): at 4 the 2x2 grid's
@@ -37,6 +39,7 @@ the group rank's rows, the traffic names the group's ranks only:
                    after) and the prefetch order, as on the world
 """
 
+import contextlib
 import functools
 import math
 import random
@@ -589,8 +592,9 @@ def check_prefetch_order(tracer, started, what, kind, ref, units, with_grad, kep
                 f"reduce-scatter of {blocks[k]}; prefetch it when {blocks[k]}'s backward starts")
 
 
-def prefetch_on_rank() -> None:
+def prefetch_on_rank(seed: int, draws: int) -> None:
     one_thread()
+    drawn_on_rank(seed, draws, "fsdp.prefetch")
     for kind in ["toy", "gpt"]:
         train_and_check("fsdp.prefetch", kind, prefetch=True, inspect=check_prefetch_order, traced_step=1)
     for pair in subgroups()[-1:]:  # the strided pairs ({0,2},{1,3} or {0,2},{1}): prefetch over a subgroup
@@ -669,7 +673,7 @@ class DrawnNet(torch.nn.Module):
             self.layers[cfg["frozen"]].requires_grad_(False)
 
     def forward(self, ids, use_sometimes: bool):
-        h = self.emb(ids)
+        h = torch.tanh(self.emb(ids))  # computation in the root before the first unit (a lookup is not)
         for layer in self.layers:
             h = torch.tanh(layer(h.to(layer.weight.dtype))).double()
         if use_sometimes:
@@ -714,19 +718,29 @@ def drawn_optimizer(model, kind: str):
                             dict(params=vectors, lr=0.2, momentum=0.5, weight_decay=0.0)], lr=0.1)
 
 
-def drawn_on_rank(seed: int, draws: int) -> None:
+def drawn_on_rank(seed: int, draws: int, task_id: str = "fsdp.backward") -> None:
     """``draws`` configurations from ``seed`` (the same on every rank), each trained 3 steps
     next to the single-process model: shard gradients (dtype, value, None where the reference
-    has none) after every step, and the full state after every optimizer step."""
+    has none) after every step, and the full state after every optimizer step.
+
+    ``task_id`` "fsdp.prefetch": every unit prefetches; the layer used only on some steps is used
+    on the first step only or on the second and third, and on even draws it is a unit of its own
+    that joins the order at the second step (so the forward order changes once, and the third
+    step repeats the second's), and the third step's trace must show every all-gather but the
+    first of forward and of backward overlapped with computation (``assert_overlap``)."""
     from labkit.fsdp import full_state_dict, fully_shard, units_of
     one_thread()
-    rng = random.Random(seed)
+    rng = random.Random(seed if task_id == "fsdp.backward" else f"{seed}:{task_id}")
     groups = [(None, list(range(dist.get_world_size())))] + subgroups()
     for draw in range(draws):
         cfg = draw_config(rng, dist.get_world_size())
+        if task_id == "fsdp.prefetch":  # the order changes once: on even draws a unit joins it
+            first = cfg["use_sometimes"][0] and draw % 2 == 1
+            cfg.update(prefetch=True, use_sometimes=[first, not first, not first],
+                       sometimes_unit=cfg["sometimes_unit"] or draw % 2 == 0)
         group, ranks = groups[cfg["partition"]]
         rank, n = dist.get_rank(group), dist.get_world_size(group)
-        what = f"fsdp.backward: drawn configuration {draw} of seed {seed} ({cfg}), rank {dist.get_rank()} " \
+        what = f"{task_id}: drawn configuration {draw} of seed {seed} ({cfg}), rank {dist.get_rank()} " \
                f"(rank {rank} of {n} in ranks {ranks})"
         ref, model = DrawnNet(cfg), DrawnNet(cfg)
         options = lambda u: dict(process_group=group, prefetch=cfg["prefetch"],  # noqa: E731
@@ -751,10 +765,18 @@ def drawn_on_rank(seed: int, draws: int) -> None:
             use = cfg["use_sometimes"][step]
             start = sum(rows[:rank])
             mine = slice(start, start + rows[rank])
-            out = model(ids[mine], use)
-            assert out.dtype == torch.float64 and out.shape == (rows[rank], cfg["seq"], cfg["vocab"]), \
-                f"{what}, step {step}: output {out.dtype} {tuple(out.shape)}"
-            out.backward(grad_out[mine] * cfg["scale"])  # a random incoming gradient, scaled
+            traced = task_id == "fsdp.prefetch" and step == 2
+            with CommTracer() if traced else contextlib.nullcontext() as tracer:
+                out = model(ids[mine], use)
+                assert out.dtype == torch.float64 and out.shape == (rows[rank], cfg["seq"], cfg["vocab"]), \
+                    f"{what}, step {step}: output {out.dtype} {tuple(out.shape)}"
+                out.backward(grad_out[mine] * cfg["scale"])  # a random incoming gradient, scaled
+            if traced:
+                for phase, in_backward in (("forward", False), ("backward", True)):
+                    gathers = [i for i, e in enumerate(tracer.events) if e.kind == "all_gather" and e.in_backward == in_backward]
+                    assert_overlap(tracer, f"{what}, step {step} (the units ran in the previous step's order): {phase}, "
+                                           "an all-gather after the first (prefetch it when the unit before starts, "
+                                           "wait when its own unit does)", events=gathers[1:])
             # FSDP averages over the group: the reference sums every rank's share, divided by N.
             ref(ids, use).backward(grad_out * cfg["scale"] / n)
             for name, p in model.named_parameters():
@@ -922,7 +944,7 @@ def test_training_matches_single_process_and_fully_shard(world_size):
 @task("fsdp.prefetch", points=2)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_prefetch_issues_all_gathers_early(world_size):
-    run_graded("fsdp.prefetch", prefetch_on_rank, world_size)
+    run_graded("fsdp.prefetch", prefetch_on_rank, world_size, configs.announce("fsdp.prefetch"), DRAWS)
 
 
 # ----------------------------------------------------------------------------- mixed precision

@@ -148,6 +148,12 @@ MUTANTS = [
            "looks up the next unit in this step's forward order, which does not know it yet",
            find="        order = self.schedule.last_forward_order\n",
            replace="        order = self.schedule.forward_order\n"),
+    Mutant("fsdp.prefetch", "forward_order_cached",
+           "keeps the first forward order it sees (the order of units is the model's, so it never changes)",
+           find="        order = self.schedule.last_forward_order\n",
+           replace="        if not getattr(self, '_order', None):\n"
+                   "            self._order = list(self.schedule.last_forward_order)\n"
+                   "        order = self._order\n"),
     Mutant("fsdp.prefetch", "backward_in_forward_order",
            "prefetches in backward along the forward order instead of its reverse",
            find="        order = self.schedule.post_forward_order[::-1]",
