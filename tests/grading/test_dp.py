@@ -618,6 +618,49 @@ def test_data_parallel_trains_like_the_plain_module(replicas):
     from labkit.dp import data_parallel
     with one_thread():
         check_data_parallel_training(data_parallel, replicas)
+        drawn_data_parallel(data_parallel, replicas)
+
+
+def drawn_data_parallel(data_parallel, replicas: int) -> None:
+    """Drawn models (``configs.draw_model``: float32/float64 layers, tied and frozen weights, an
+    unused layer, a buffer) on drawn batch sizes, 1 to 9 (fewer rows than replicas on each first
+    step: fewer chunks, fewer replicas), 3 SGD steps with momentum, each step's batch size drawn anew: the output,
+    each gradient (a loss, or a random incoming gradient) and the parameters against the plain
+    module; an evaluation call under no_grad gives the output and records no graph."""
+    rng = configs.rng(f"dp.data_parallel/{replicas}")
+    for case in range(configs.budget(ci=2, long=20)):
+        spec = draw_model(rng, f"drawn case {case}")
+        model, ref = DrawnMLP(spec), DrawnMLP(spec)
+        opt, ref_opt = sgd(model, 0.1), sgd(ref, 0.1)
+        x, y = mlp_data(spec, 27)
+        start = 0
+        for step in range(3):
+            rows = rng.randint(1, max(1, replicas - 1)) if step == 0 else rng.randint(1, 9)  # step 0: fewer rows
+            xb, yb = x[start:start + rows], y[start:start + rows]
+            start += rows
+            what = (f"dp.data_parallel: {replicas} replicas, {spec}, batch of {rows}, step {step} "
+                    f"{configs.replay(f'{replicas} replicas, case {case}')}")
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            out, ref_out = data_parallel(model, (xb,), replicas), ref(xb)
+            assert_close(out, ref_out, what + ", gathered output")
+            if rng.random() < 0.5:  # mlp_loss's scaled mean squared error, on the gathered output
+                (spec.loss_scale * (out.double() - yb).pow(2).mean()).backward()
+                (spec.loss_scale * (ref_out.double() - yb).pow(2).mean()).backward()
+            else:
+                incoming = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(rng.randrange(2 ** 31)),
+                                       dtype=ref_out.dtype)
+                out.backward(incoming)
+                ref_out.backward(incoming)
+                what += " (backward of a random incoming gradient)"
+            compare_grads(model, ref, what, 1e-5, 2e-5)
+            opt.step()
+            ref_opt.step()
+            compare_params(model, ref, what + " (after the step)", 1e-5, 2e-5)
+        with torch.no_grad():
+            out = data_parallel(model, (x[:rng.randint(1, 9)],), replicas)
+        assert out.grad_fn is None and not out.requires_grad, \
+            f"dp.data_parallel: {replicas} replicas, {spec}: under no_grad the output records a graph"
 
 
 def check_data_parallel_training(data_parallel, replicas):

@@ -3,6 +3,16 @@
 from labkit.course.mutants import Mutant
 
 MUTANTS = [
+    # dp.data_parallel: a batch smaller than the devices
+    Mutant("dp.data_parallel", "one_chunk_per_device",
+           "one chunk per device, always (torch.chunk returns fewer when the batch is smaller)",
+           find="    num_chunks = len(tensors[0].chunk(len(devices)))\n",
+           replace="    num_chunks = len(devices)\n"),
+    Mutant("dp.data_parallel", "buffers_shared",
+           "buffers are not trained: every replica uses the master's own buffer tensors",
+           find="                for name, t in source.items():\n                    if t is not None:\n                        slots[name] = copy(t)",
+           replace="                for name, t in source.items():\n                    if t is not None:\n"
+                   "                        slots[name] = t if slots is replica._buffers else copy(t)"),
     # dp.sampler
     Mutant("dp.sampler", "floor_shard_size", "floor(len / replicas) per rank even without drop_last: the tail is lost",
            find="    return math.ceil(dataset_len / num_replicas)\n    # END SOLUTION",
