@@ -9,7 +9,7 @@ kernel, ``_scaled_dot_product_flash_attention_for_cpu``, has no FLOP formula in 
 counts 0; the math backend runs the scores and the weighted sum as bmm, which is counted, causal
 as the full square) equal ``flops_per_token`` EXACTLY, per token, for dense configs (tied and
 untied, several widths, heads, lengths, vocabularies, batch > 1) and MoE configs (dropless, top-1
-and top-2); with every block under ``torch.utils.checkpoint`` (full) or only the attention core
+and top-2), and on GPT configurations drawn from the run's seed (``drawn_gpts``); with every block under ``torch.utils.checkpoint`` (full) or only the attention core
 (selective), through labkit.oracles.builtin_checkpoint with early stop off so that the whole
 forward is run again. GQA, SwiGLU, shared experts,
 dense leading layers and a head width other than hidden/heads are counted by FlopCounterMode on
@@ -45,6 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from labkit.course.grading import task
 from labkit.oracles import builtin_checkpoint
 from labkit.models import GPT, GPTConfig
+from tests.grading import configs
 
 
 # ----------------------------------------------------------------------------- perf.flops
@@ -185,6 +186,27 @@ def test_flops_per_token_equal_flop_counter_on_the_course_gpt():
     counted = counted_per_token(GPT(config).double(), config.vocab_size, 2, 6)
     got = flops_per_token(Model.of_gpt(config, seq=6))
     assert got == counted, f"perf.flops: {describe(config)} on 6 tokens: {got:.0f} vs FlopCounterMode's {counted:.0f}"
+    for config, batch, seq in drawn_gpts():  # drawn from the whole space, a new seed each run
+        counted = counted_per_token(GPT(config).double(), config.vocab_size, batch, seq)
+        got = flops_per_token(Model.of_gpt(config, seq=seq))
+        assert got == counted, (f"perf.flops: drawn {describe(config)}, batch {batch} of {seq} tokens: flops_per_token "
+                                f"gives {got:.0f}; FlopCounterMode counts {counted:.0f} {configs.replay()}")
+
+
+def drawn_gpts() -> list[tuple]:
+    """GPT configurations drawn from the run's seed: 1-3 layers, 1-4 heads of width 1-8, a block
+    of 1-16 positions run on 1 to all of them, a vocabulary of 2-60, tied or not, biases or not,
+    dense or 2-5 experts with k from 1 to all of them; batch 1-3."""
+    rng = configs.rng("perf.flops")
+    drawn = []
+    for _ in range(configs.budget(ci=3, long=30)):
+        heads, experts = rng.randint(1, 4), rng.choice([0, rng.randint(2, 5)])
+        config = GPTConfig(n_layer=rng.randint(1, 3), n_head=heads, n_embd=heads * rng.randint(1, 8),
+                           block_size=rng.randint(1, 16), vocab_size=rng.randint(2, 60),
+                           tie_weights=rng.random() < 0.5, bias=rng.random() < 0.5,
+                           n_experts=experts, moe_k=rng.randint(1, experts) if experts else 2)
+        drawn.append((config, rng.randint(1, 3), rng.randint(1, config.block_size)))
+    return drawn
 
 
 @task("perf.flops", points=2)
