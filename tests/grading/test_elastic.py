@@ -22,7 +22,7 @@ Every task is certified by its technique, not only by its numbers:
   as a torch.distributed.checkpoint (DCP) checkpoint of fully_shard; loading communicates
   nothing (each rank reads the rows it needs).
 * elastic.resume: a rank (drawn from the run's seed) SIGKILLed before a drawn step after the
-  first checkpoint and ``launch(...,
+  first checkpoint (after the second in the four-rank run, so that two are there) and ``launch(...,
   max_restarts=1)`` end with the same losses and the same final checkpoint, bit for bit, as
   an uninterrupted run (FSDP and ZeRO from chapters 03-04, float64); the final progress is
   the run's; besides training's own communication, a run issues one all-reduce of the loss
@@ -950,13 +950,13 @@ def train_job(kind, root, steps=STEPS, fail_at=None, save_every=2):
 
 
 @task("elastic.resume", points=3)
-@pytest.mark.parametrize("world_size, kind, save_every", [(2, "zero", 4), (4, "fsdp", 2), (2, "fsdp", 2)])
-def test_a_killed_rank_resumes_exactly(tmp_path, world_size, kind, save_every):
+@pytest.mark.parametrize("world_size, kind, save_every, saved", [(2, "zero", 4, 1), (4, "fsdp", 2, 2), (2, "fsdp", 2, 1)])
+def test_a_killed_rank_resumes_exactly(tmp_path, world_size, kind, save_every, saved):
     import labkit
     # Drawn from the run's seed (tests/grading/configs.py): which rank dies, and before which
-    # step after the first checkpoint.
+    # step after the first ``saved`` checkpoints (after two, a resume can take the wrong one).
     draw = configs.rng(f"elastic.resume:{world_size}:{kind}")
-    step, victim = draw.randrange(save_every + 1, STEPS), draw.randrange(world_size)
+    step, victim = draw.randrange(saved * save_every + 1, STEPS), draw.randrange(world_size)
     configs.announce(f"elastic.resume: rank {victim} killed before step {step}")
     clean = run_graded("elastic.resume", train_job, world_size, kind, str(tmp_path / "clean"), STEPS, None, save_every)
     try:

@@ -732,8 +732,12 @@ def drawn_on_rank(seed: int, draws: int, task_id: str = "fsdp.backward") -> None
     one_thread()
     rng = random.Random(seed if task_id == "fsdp.backward" else f"{seed}:{task_id}")
     groups = [(None, list(range(dist.get_world_size())))] + subgroups()
+    root_first = rng.random() < 0.5
     for draw in range(draws):
         cfg = draw_config(rng, dist.get_world_size())
+        # the layer used on some steps alone in its unit, or in the root's beside parameters used
+        # every step, on alternate draws: a launch has both
+        cfg["sometimes_unit"] = (draw % 2 == 0) != root_first
         if task_id == "fsdp.prefetch":  # the order changes once: on even draws a unit joins it
             first = cfg["use_sometimes"][0] and draw % 2 == 1
             cfg.update(prefetch=True, use_sometimes=[first, not first, not first],
@@ -853,7 +857,8 @@ def drawn_mixed_precision(seed: int, draws: int) -> None:
     start = rng.randrange(2)
     for draw in range(draws):
         param_dtype = (torch.bfloat16, torch.float16)[(draw + start) % 2]
-        reduce_dtype = rng.choice([None, torch.float32, param_dtype])
+        # the first draw reduces in float32 (the one setting where it is not param_dtype), the others drawn
+        reduce_dtype = torch.float32 if draw == 0 else rng.choice([None, torch.float32, param_dtype])
         layers = rng.randint(1, 3)
         widths = [rng.randint(1, 9) for _ in range(layers)]
         cfg = dict(seed=rng.randrange(2**31), vocab=rng.randint(2, 11), widths=widths + [widths[0]],
