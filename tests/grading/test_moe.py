@@ -1633,17 +1633,23 @@ def shared_drawn_on_rank(cases: list) -> None:
             near(layer.z_loss, ref_z, where + ": z-loss")
             near(x.grad, xs[me].grad, where + ": input gradient for a random incoming gradient")
             mine = slice(me * c["local"], (me + 1) * c["local"])
-            near(layer.w1.grad, ref_grads[1][mine], where + ": w1 gradient of my routed experts", terms[1][mine])
-            near(layer.w2.grad, ref_grads[2][mine], where + ": w2 gradient of my routed experts", terms[2][mine])
-            ref_sw1, ref_sw2 = fused(ref_grads[3], ref_grads[4])
-            sw_terms = fused(terms[3], terms[4])
-            for got, want, pname, scale in ((layer.gate, ref_grads[0], "gate", terms[0]),
-                                            (layer.shared_w1, ref_sw1, "shared_w1", sw_terms[0]),
-                                            (layer.shared_w2, ref_sw2, "shared_w2", sw_terms[1])):
-                assert got.grad is not None, f"{where}: {pname} got no gradient"
-                total = got.grad.clone()
-                dist.all_reduce(total, group=group)
-                near(total, want, where + f": {pname} gradient summed over the group", scale)
+            check_shared_grads(layer, ref_grads, terms, mine, group, where)
+
+
+def check_shared_grads(layer, ref_grads, terms, mine, group, what: str) -> None:
+    """The routed experts' gradients (mine: this rank's slice) and the replicated ones (gate,
+    shared experts: summed over the group) against ``reference_over_ranks``'s."""
+    near(layer.w1.grad, ref_grads[1][mine], what + ": w1 gradient of my routed experts", terms[1][mine])
+    near(layer.w2.grad, ref_grads[2][mine], what + ": w2 gradient of my routed experts", terms[2][mine])
+    ref_sw1, ref_sw2 = fused(ref_grads[3], ref_grads[4])
+    sw_terms = fused(terms[3], terms[4])
+    for got, want, pname, scale in ((layer.gate, ref_grads[0], "gate", terms[0]),
+                                    (layer.shared_w1, ref_sw1, "shared_w1", sw_terms[0]),
+                                    (layer.shared_w2, ref_sw2, "shared_w2", sw_terms[1])):
+        assert got.grad is not None, f"{what}: {pname} got no gradient"
+        total = got.grad.clone()
+        dist.all_reduce(total, group=group)
+        near(total, want, what + f": {pname} gradient summed over the group (replicated, like the gate)", scale)
 
 
 def shared_overlap_on_rank(drawn: list = ()) -> None:
@@ -1688,17 +1694,7 @@ def shared_overlap_on_rank(drawn: list = ()) -> None:
             near(layer.z_loss, ref_z, what + ": z-loss")
             near(x.grad, xs[me].grad, what + ": input gradient (shared experts, combine, routed experts, dispatch)")
             mine = slice(me * local, (me + 1) * local)
-            near(layer.w1.grad, ref_grads[1][mine], what + ": w1 gradient of my routed experts", terms[1][mine])
-            near(layer.w2.grad, ref_grads[2][mine], what + ": w2 gradient of my routed experts", terms[2][mine])
-            ref_sw1, ref_sw2 = fused(ref_grads[3], ref_grads[4])
-            sw_terms = fused(terms[3], terms[4])
-            for got, want, pname, scale in ((layer.gate, ref_grads[0], "gate", terms[0]),
-                                            (layer.shared_w1, ref_sw1, "shared_w1", sw_terms[0]),
-                                            (layer.shared_w2, ref_sw2, "shared_w2", sw_terms[1])):
-                assert got.grad is not None, f"{what}: {pname} got no gradient"
-                total = got.grad.clone()
-                dist.all_reduce(total, group=group)
-                near(total, want, what + f": {pname} gradient summed over the group (replicated, like the gate)", scale)
+            check_shared_grads(layer, ref_grads, terms, mine, group, what)
             routing = reference_routing([t.detach() for t in xs], gate, k, factor, num_experts)
             sent = routing[me][0].numel()
             received = sum(((kept // local) == me).sum().item() for kept, _ in routing)
