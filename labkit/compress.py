@@ -11,8 +11,9 @@ Two levers cut its cost:
   a completed future: DDP's backward goes on with the next buckets meanwhile); a step that
   needs a collective's result is chained on its future (``.then``, ``after``).
   ``ddp.register_comm_hook(state, hook)`` installs one on
-  ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` (below) lets you call a hook
-  by hand on a list of tensors.
+  ``torch.nn.parallel.DistributedDataParallel``; ``FlatBucket`` lets you call a hook by hand on
+  a list of tensors (``labkit.hooks`` holds it and the futures' plumbing, given; importable
+  from here too).
 
   - fp16/bf16: cast the bucket to 16 bits, divide by N *before* summing (an fp16 sum of N
     large gradients overflows at 65504), all-reduce, cast back. Half the bytes; each value
@@ -74,122 +75,14 @@ The hooks run on torch's ``DistributedDataParallel`` and on the chapter-02 ``lab
 (both: ``model.register_comm_hook(state, hook)``), or by hand on a ``FlatBucket``.
 """
 
-import threading
-import time
-
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.hooks import FlatBucket, after, average_future, completed, future_of, in_turn  # noqa: F401 - the hooks' plumbing (given)
 from labkit.tp import ColumnParallelLinear, RowParallelLinear
-
-# ----------------------------------------------------------------------------- buckets
-
-
-class FlatBucket:
-    """What a hook sees of a ``dist.GradBucket``: one flat buffer holding ``tensors``, views of
-    it shaped like each (``gradients()``), its index and whether it is the step's last."""
-
-    def __init__(self, tensors: list[torch.Tensor], index: int = 0, last: bool = True):
-        self._buffer = torch.cat([t.reshape(-1) for t in tensors])
-        self._views, offset = [], 0
-        for t in tensors:
-            self._views.append(self._buffer[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
-        self._index, self._last = index, last
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._views
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._last
-
-
-def completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future that already holds ``value`` (for a hook with nothing to send). A hook that
-    communicates returns the future of its collective instead, still pending: DDP's backward
-    goes on computing the next buckets while it is in flight, and waits for it at the end."""
-    future = torch.futures.Future()
-    future.set_result(value)
-    return future
-
-
-def after(future: torch.futures.Future, start) -> torch.futures.Future:
-    """Chain a collective that needs the result of another: when ``future`` completes, call
-    ``start(future)``, which starts the next collective and returns its future (e.g.
-    ``dist.all_reduce(t, group=g, async_op=True).get_future()``); the future returned here
-    completes with that one's value. No thread waits in between (``future.then(f)`` completes
-    when ``f`` returns, so ``f`` would have to wait for the collective it started, holding one
-    of the backend's threads). An error in either completes it with that error."""
-    result = torch.futures.Future()
-
-    def forward(inner):
-        try:
-            result.set_result(inner.value())
-        except Exception as error:  # noqa: BLE001 - handed to whoever waits on the result
-            result.set_exception(error)
-
-    def begin(done):
-        try:
-            done.value()  # an error of the step before completes the result with it; the next never starts
-            start(done).add_done_callback(forward)
-        except Exception as error:  # noqa: BLE001
-            result.set_exception(error)
-
-    future.add_done_callback(begin)
-    return result
-
-
-def future_of(work) -> torch.futures.Future:
-    """``work.get_future()`` of an ``async_op=True`` collective, also for the gloo ops whose Work
-    has none (reduce-scatter): then a helper thread waits on the work and completes the
-    future. Its value: what ``get_future()`` gives (a list of the output tensors), or None."""
-    try:
-        return work.get_future()
-    except RuntimeError:
-        future = torch.futures.Future()
-
-        def wait():
-            try:
-                work.wait()
-                future.set_result(None)
-            except Exception as error:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(error)
-
-        threading.Thread(target=wait, daemon=True, name="labkit-future-of").start()
-        return future
-
-
-def in_turn(state, start) -> torch.futures.Future:
-    """Call ``start()`` (it issues a bucket's collectives and returns their future) once the
-    future of the previous call on ``state`` has completed, or now if it has. A hook whose
-    callbacks issue collectives (PowerSGD's Q, the hierarchical all-reduce's second and third
-    steps) runs them on the backend's threads; with several buckets in flight they would reach
-    the group in a different order on different ranks, and collectives match by order. In
-    turn, every rank issues bucket i's collectives before bucket i + 1's."""
-    previous = getattr(state, "_in_flight", None)
-    if previous is None or previous.done():
-        future = start()
-    else:
-        future = after(previous, lambda _: start())
-    state._in_flight = future
-    return future
-
-
-def average_future(buffer: torch.Tensor, group=None) -> torch.futures.Future[torch.Tensor]:
-    """torch's default hook: divide ``buffer`` by the group size, start its all-reduce over
-    ``group``; the future's value is ``buffer`` (pending until the all-reduce is done)."""
-    buffer.div_(_group_size(group))
-    work = dist.all_reduce(buffer, group=group, async_op=True)
-    return work.get_future().then(lambda _: buffer)
 
 
 def _group_size(group) -> int:
@@ -843,28 +736,6 @@ class CollectiveMatmulMLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(F.gelu(self.c_fc(x)))
-
-
-class WaitClock:
-    """Exposed communication, measured: the seconds this rank spent inside ``Work.wait()``
-    while active (time the computation could not hide). Not for use under a ``CommTracer``."""
-
-    def __enter__(self):
-        self.seconds, self._original = 0.0, dist.distributed_c10d.Work.wait
-        clock, original = self, self._original
-
-        def wait(work, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return original(work, *args, **kwargs)
-            finally:
-                clock.seconds += time.perf_counter() - start
-
-        dist.distributed_c10d.Work.wait = wait
-        return self
-
-    def __exit__(self, *exc):
-        dist.distributed_c10d.Work.wait = self._original
 
 
 # ============================================================================= local SGD / DiLoCo

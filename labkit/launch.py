@@ -10,9 +10,10 @@ See ``labkit.runtime.launcher`` for what it promises and how.
 
 import sys
 
+from labkit.runtime.agents import release_process_groups
 from labkit.runtime.launcher import (  # noqa: F401 - the public names, and the rank server for tests
-    Deadlock, LaunchError, LaunchTimeout, WorkerError, _RankServer, launch, release_process_groups,
-    restart_count, rpc_name, under_torchrun)
+    Deadlock, LaunchError, LaunchTimeout, WorkerError, _RankServer, launch, restart_count, rpc_name,
+    under_torchrun)
 
 __all__ = ["launch", "restart_count", "rpc_name", "release_process_groups", "under_torchrun",
            "LaunchError", "LaunchTimeout", "Deadlock", "WorkerError"]

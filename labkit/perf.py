@@ -25,7 +25,8 @@ them into *time*, with three small models that every estimate of a large run is 
   Its arithmetic intensity F / B against the hardware's ridge point (FLOP/s / bandwidth) tells
   which term wins: a large matmul is compute-bound, an element-wise op or a skinny matmul is
   memory-bound. ``HARDWARE`` holds each GPU's datasheet peaks and what a measured matmul
-  achieves (cited in each row's ``source``).
+  achieves (cited in each row's ``source``; the GPUs, links and clusters are given data in
+  ``labkit.hardware``, importable from here).
 
 * **Communication time per collective and per link class** with chapter 00's alpha-beta
   model: a message of m bytes costs alpha + m / bandwidth. A ring all-reduce of S bytes on N
@@ -71,6 +72,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+
+from labkit.hardware import CLUSTER_SOURCES, CLUSTERS, HARDWARE, Cluster, Hardware, Link  # noqa: F401 - given (re-exported)
 
 RECOMPUTE = ("none", "selective", "full")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
@@ -256,59 +259,6 @@ def hfu(tokens_per_second: float, model: Model, gpus: int, peak_flops: float, re
 # ----------------------------------------------------------------------------- perf.roofline
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """One accelerator: dense 16-bit peak FLOP/s, memory bandwidth (bytes/s) and capacity
-    (bytes), and what a measured kernel achieves (None: no cited measurement; the peak is used).
-    ``fp8_flops``: the dense FP8 peak where the tensor cores have one. A FLOP is a FLOP in either
-    precision: MFU is quoted against the 16-bit peak (DeepSeek-V3 does so for its FP8 run), so a
-    run in FP8 can exceed what the 16-bit peak allows."""
-    name: str
-    peak_flops: float
-    memory_bandwidth: float
-    memory_bytes: float
-    achieved_flops: float | None = None
-    achieved_bandwidth: float | None = None
-    source: str = ""
-    fp8_flops: float | None = None     # dense FP8 peak (None: no FP8 tensor cores); FLOPs are counted the same
-
-
-_MAMF = ("achieved: Bekman, 'Machine Learning Engineering', Maximum Achievable Matmul FLOPS (MAMF) table, "
-         "BF16 (github.com/stas00/ml-engineering, compute/accelerator/README.md)")
-HARDWARE: dict[str, Hardware] = {
-    "A100": Hardware(
-        "A100 SXM4 80GB", peak_flops=312e12, memory_bandwidth=2.039e12, memory_bytes=80e9,
-        achieved_flops=271.2e12,
-        source="NVIDIA A100 Tensor Core GPU datasheet: BF16 312 TFLOP/s dense, HBM2e 2,039 GB/s, 80 GB; "
-               + _MAMF + ": 271.2 TFLOP/s (torch 2.6, CUDA 12.6)"),
-    "H100": Hardware(
-        "H100 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12, fp8_flops=1979e12,
-        source="NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
-               "FP8 3,958 with sparsity = 1,979 dense, "
-               "HBM3 3.35 TB/s, 80 GB; " + _MAMF + ": 794.5 TFLOP/s (torch 2.7, CUDA 12.6)"),
-    "H200": Hardware(
-        "H200 SXM 141GB", peak_flops=989e12, memory_bandwidth=4.8e12, memory_bytes=141e9,
-        achieved_flops=794.5e12, fp8_flops=1979e12,
-        source="NVIDIA H200 Tensor Core GPU datasheet: BF16 1,979 TFLOP/s with sparsity = 989 dense, "
-               "FP8 3,958 with sparsity = 1,979 dense, "
-               "HBM3e 4.8 TB/s, 141 GB; " + _MAMF + ": 794.5 TFLOP/s, the H100 row ('H200 is the same')"),
-    "H800": Hardware(
-        "H800 SXM5 80GB", peak_flops=989e12, memory_bandwidth=3.35e12, memory_bytes=80e9,
-        achieved_flops=794.5e12, fp8_flops=1979e12,
-        source="NVIDIA H800 SXM5, the export variant of the H100 SXM5: its compute and HBM3 (989 TFLOP/s BF16 "
-               "dense, 1,979 FP8 dense, 3.35 TB/s, 80 GB) with NVLink cut to 400 GB/s; the GPU of DeepSeek-V3 (technical report, "
-               "arXiv:2412.19437, section 3.1); achieved: the H100 MAMF row, 794.5 TFLOP/s (same tensor cores)"),
-    "GB200": Hardware(
-        "B200 in a GB200 NVL72 (1,200 W)", peak_flops=2500e12, memory_bandwidth=8e12, memory_bytes=192e9,
-        fp8_flops=5000e12,
-        source="GB200 (the B200 of a GB200 superchip, configured at 1,200 W): BF16 2,500 TFLOP/s dense, FP8 "
-               "5,000 dense, HBM3e 192 GB at 8 TB/s: glennklockwood.com/garden/processors/B200 quoting NVIDIA "
-               "(a second source, verda.com's GB300 post, lists 2,250 BF16 dense for GB200: the figure is not "
-               "settled; no achieved figure cited)"),
-}
-
-
 def op_time(flops: float, nbytes: float, hw: Hardware, achieved: bool = True) -> float:
     """The roofline: max(flops / FLOP/s, nbytes / bandwidth) seconds, with the hardware's
     achieved figures (each one that is None falls back to its peak), or its peaks when
@@ -345,62 +295,6 @@ def ridge_point(hw: Hardware, achieved: bool = True) -> float:
 
 
 # ----------------------------------------------------------------------------- perf.comm
-
-
-@dataclass(frozen=True)
-class Link:
-    """alpha: seconds per message; bandwidth: bytes/s one GPU sends (and receives) at once,
-    one direction (1/beta of chapter 00)."""
-    alpha: float
-    bandwidth: float
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Nodes of ``gpus_per_node`` GPUs joined by NVLink (``nvlink``, per GPU); nodes joined
-    by the network (``network``: one NIC). ``rails``: every GPU has its own NIC, NIC i of every
-    node on rail i (DGX SuperPOD); without rails the GPUs of a node share one NIC (a commodity
-    cluster, or this course's emulated nodes: one veth per namespace)."""
-    gpu: Hardware
-    nvlink: Link
-    network: Link
-    gpus_per_node: int = 8
-    rails: bool = True
-    name: str = ""
-    source: str = ""      # citation for every figure
-
-
-# alpha: NCCL's own cost model charges a few microseconds per step inside a node (src/graph/tuning.cc,
-# hwLat NVLink ring Simple 3.4 us) and chapter 00's orders of magnitude: a few us within a node, tens
-# of us across nodes (here 10 us). Bandwidths: one direction, per GPU.
-_NVLINK_ALPHA, _NET_ALPHA = 3.4e-6, 10e-6
-_ALPHA_SOURCE = ("alpha: orders of magnitude, not measured (NCCL's cost model, src/graph/tuning.cc, charges 3.4 us "
-                 "per NVLink ring step; chapter 00: a few us inside a node, tens across)")
-CLUSTERS: dict[str, Cluster] = {
-    "dgx-a100": Cluster(
-        HARDWARE["A100"], nvlink=Link(_NVLINK_ALPHA, 300e9), network=Link(_NET_ALPHA, 25e9), name="DGX A100",
-        source="NVIDIA DGX A100 datasheet: NVLink 3 600 GB/s per GPU (300 each way), 8 x ConnectX-6 200 Gb/s "
-               "HDR InfiniBand, one per GPU (25 GB/s each way); " + _ALPHA_SOURCE),
-    "dgx-h100": Cluster(
-        HARDWARE["H100"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H100",
-        source="NVIDIA DGX H100 datasheet: NVLink 4 900 GB/s per GPU (450 each way), 8 x ConnectX-7 400 Gb/s "
-               "NDR InfiniBand, one per GPU (50 GB/s each way); " + _ALPHA_SOURCE),
-    "dgx-h200": Cluster(
-        HARDWARE["H200"], nvlink=Link(_NVLINK_ALPHA, 450e9), network=Link(_NET_ALPHA, 50e9), name="DGX H200",
-        source="NVIDIA DGX H200 datasheet: NVLink 4 900 GB/s per GPU, 8 x ConnectX-7 400 Gb/s (as DGX H100); "
-               + _ALPHA_SOURCE),
-    "h800": Cluster(
-        HARDWARE["H800"], nvlink=Link(_NVLINK_ALPHA, 160e9), network=Link(_NET_ALPHA, 50e9), name="DeepSeek H800",
-        source="DeepSeek-V3 technical report (arXiv:2412.19437), sections 3.1 and 3.2.2: 8 H800 per node on "
-               "NVLink/NVSwitch, InfiniBand between nodes; NVLink 160 GB/s, IB 50 GB/s per GPU; " + _ALPHA_SOURCE),
-}
-CLUSTERS["gb200-nvl72"] = Cluster(
-    HARDWARE["GB200"], nvlink=Link(_NVLINK_ALPHA, 900e9), network=Link(_NET_ALPHA, 50e9), gpus_per_node=72,
-    name="GB200 NVL72 (one 72-GPU NVLink domain)",
-    source="GB200 NVL72: 72 Blackwell GPUs in one NVLink 5 domain through NVLink switches, 1.8 TB/s per GPU "
-           "(900 GB/s each way): verda.com and aiwiki.ai quoting NVIDIA; network between racks: 400 Gb/s per GPU "
-           "ASSUMED (not verified; IB 50 GB/s each way); " + _ALPHA_SOURCE)
-CLUSTER_SOURCES = {key: cluster.source for key, cluster in CLUSTERS.items()}
 
 
 def collective_time(op: str, nbytes: float, ranks: int, link: Link, algo: str = "ring") -> float:
@@ -520,7 +414,18 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 #   pp_comm    per micro-batch, one activation forward and one gradient backward per model chunk
 #              ((s/cp) b h / tp elements: Megatron sends the sequence-parallel shard), v chunks
 #   bubble     (p - 1) / v micro-batch times of the stage (chapter 06: the idle fraction is
-#              (p - 1) / (v m + p - 1) of the pipeline's time, for GPipe, 1F1B and interleaved)
+#              (p - 1) / (v m + p - 1) of the pipeline's time, for GPipe, 1F1B and interleaved).
+#              Zero-bubble schedules split the backward into B (input gradients) and W (weight
+#              gradients, W = a third of the micro-batch's matmuls: compute / 3) and fill the
+#              bubble with W: ZB-H1 (Qi et al. 2024, arXiv:2401.10241; chapter 06 builds it)
+#              (p - 1)(F + B - W) = (p - 1)(stage - 2W) when m >= p (in general
+#              (p - 1)(stage - W) - (min(m, p) - 1) W), with the first rank's activations, p
+#              micro-batches, on every rank; DualPipe
+#              (DeepSeek-V3, arXiv:2412.19437, Table 2) (p/2 - 1)(F&B + B - 3W) with F&B = the
+#              stage (a forward and a backward chunk, their communication overlapped, no faster
+#              than the two together), B = the full backward, 2/3 of the stage: (p/2 - 1)
+#              (5/3 stage - 3W); p even and m even, activations of p + 1 micro-batches and two
+#              copies of the 16-bit weights
 #   dp_comm    the gradient reduction over the data-parallel group (dp x cp ranks share weights):
 #              ZeRO-0 an all-reduce; ZeRO-1/2 a reduce-scatter + an all-gather of the parameters;
 #              ZeRO-3 (FSDP) per micro-batch two all-gathers (forward, backward) + a reduce-scatter
@@ -540,7 +445,8 @@ def group_time(op: str, nbytes: float, group_size: int, stride: int, cluster: Cl
 
 from labkit import budget  # noqa: E402  (the memory formulas of chapters 08 and 12)
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe")
+SEARCHED = ("gpipe", "1f1b", "interleaved")  # search_layouts' default: the schedules the published runs ran
 _ELEMENT = 2                                 # bytes of a 16-bit activation, gradient or parameter
 ELEMENTWISE_PASSES = 3                       # forward write, backward read + gradient write (elementwise_bytes)
 
@@ -560,7 +466,7 @@ class Layout:
     ep: int = 1
     zero: int = 1                  # 0 DDP, 1, 2, 3 (= FSDP) over the dp axis
     microbatch: int = 1            # sequences per micro-batch
-    schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved"
+    schedule: str = "1f1b"         # "gpipe" | "1f1b" | "interleaved" | "zb-h1" | "dualpipe"
     virtual: int = 1               # interleaved: model chunks (virtual stages) per rank
     recompute: str = "none"        # "none" | "selective" | "full"
     uneven: bool = False           # allow layers not divisible by pp x virtual (the fuller stages set the pace)
@@ -662,6 +568,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
         raise ValueError(f"perf.step: virtual={layout.virtual} stages per rank need schedule='interleaved'")
     if layout.schedule == "interleaved" and layout.pp < 2:
         raise ValueError("perf.step: the interleaved schedule needs a pipeline (pp >= 2)")
+    if layout.schedule == "dualpipe" and layout.pp % 2:
+        raise ValueError(f"perf.step: DualPipe feeds the pipeline from both ends: pp must be even, got {layout.pp}")
     if model.heads % layout.tp:
         raise ValueError(f"perf.step: {model.heads} heads do not split over tp={layout.tp}")
     if model.layers % (layout.pp * layout.virtual) and not (layout.uneven and model.layers >= layout.pp * layout.virtual):
@@ -677,6 +585,8 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
         raise ValueError(f"perf.step: a global batch of {global_batch} sequences does not split into "
                          f"dp={layout.dp} replicas of micro-batches of {layout.microbatch}")
     m = global_batch // (layout.dp * layout.microbatch)
+    if layout.schedule == "dualpipe" and m % 2:
+        raise ValueError(f"perf.step: DualPipe splits the micro-batches between its two directions: m={m} must be even")
     if layout.schedule == "interleaved" and m % layout.pp:
         raise ValueError(f"perf.step: the interleaved schedule needs the micro-batches (m={m}) to be a "
                          f"multiple of pp={layout.pp}")
@@ -685,13 +595,20 @@ def _check_layout(model: Model, layout: Layout, global_batch: int, gpus: int | N
 
 def in_flight(schedule: str, pp: int, m: int, virtual: int = 1, rank: int = 0) -> float:
     """Micro-batches whose activations pipeline ``rank`` holds at its peak, in units of one
-    whole stage's (L / pp layers): GPipe m; 1F1B min(pp - rank, m); interleaved the warm-up's
-    model chunks + 1 (chapter 06), capped at m v, over v."""
-    # BEGIN SOLUTION perf.step: gpipe m; 1f1b min(pp - rank, m); interleaved min((v-1) pp + 2 (pp-1-rank) + 1, m v) / v
+    whole stage's (L / pp layers): GPipe m; 1F1B min(pp - rank, m); ZB-H1 min(pp, m) on every
+    rank (rank r holds r micro-batches more than in 1F1B until their deferred W's ran: the
+    first rank's peak everywhere); DualPipe min(pp + 1, m) on every rank (DeepSeek-V3's Table 2
+    gives the peak device's, pp + 1); interleaved the warm-up's model chunks + 1 (chapter 06),
+    capped at m v, over v."""
+    # BEGIN SOLUTION perf.step: gpipe m; 1f1b min(pp - rank, m); zb-h1 min(pp, m); dualpipe min(pp + 1, m); interleaved min((v-1) pp + 2 (pp-1-rank) + 1, m v) / v
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
         return min(pp - rank, m)
+    if schedule == "zb-h1":
+        return min(pp, m)
+    if schedule == "dualpipe":
+        return min(pp + 1, m)
     chunks = min((virtual - 1) * pp + 2 * (pp - 1 - rank) + 1, m * virtual)
     return chunks / virtual
     # END SOLUTION
@@ -741,9 +658,10 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     L / pp layers x ``in_flight`` micro-batches (``flash`` or "selective" drop the scores; "full" keeps the layers' inputs); the last rank also keeps its micro-batch's
     fp32 logits, 4 (s / cp) b V / tp. Korthikanti's count assumes Megatron's re-gather
     (``layout.tp_regather``); without it each layer also keeps its two gathered LayerNorm outputs
-    whole, + 4 (s / cp) b h (1 - 1/tp) bytes per layer kept (with "full", for the one layer recomputed). Returns {"params", "grads", "optimizer", "activations",
-    "total"}."""
-    # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank
+    whole, + 4 (s / cp) b h (1 - 1/tp) bytes per layer kept (with "full", for the one layer recomputed).
+    DualPipe keeps two copies of the 16-bit weights (DeepSeek-V3's Table 2: parameters 2x): its
+    "params" are doubled. Returns {"params", "grads", "optimizer", "activations", "total"}."""
+    # BEGIN SOLUTION perf.step: model_state_bytes for dense (shards dp*cp) and expert (dp*cp/ep) parameters; korthikanti activations x in_flight; + fp32 logits on the last rank; dualpipe: params x 2
     m = _check_layout(model, layout, global_batch, None)
     dense, experts = parameters_per_gpu(model, layout, rank)
     element = (_ELEMENT, layout.grad_bytes, budget.adamw_bytes(_ELEMENT, 4)[2])   # fp32 grads: 18 B a parameter
@@ -761,6 +679,8 @@ def memory_per_gpu(model: Model, layout: Layout, global_batch: int, rank: int = 
     if rank == layout.pp - 1:
         activations += 4 * model.seq / layout.cp * layout.microbatch * model.vocab / layout.tp
     parts = {k: states[k] + expert_states[k] for k in ("params", "grads", "optimizer")}
+    if layout.schedule == "dualpipe":     # a second copy of the 16-bit weights, one per direction
+        parts["params"] *= 2
     return dict(**parts, activations=activations, total=sum(parts.values()) + activations)
     # END SOLUTION
 
@@ -790,7 +710,7 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     cannot run the model or the batch."""
     if stack is not None:
         cluster = stack.on(cluster)
-    # BEGIN SOLUTION perf.step: per micro-batch compute + recompute + TP/CP/EP/PP comm; bubble (p-1)/v of it; DP comm exposed beyond the compute it hides behind; memory = the fullest pipeline rank
+    # BEGIN SOLUTION perf.step: per micro-batch compute + recompute + TP/CP/EP/PP comm; bubble (p-1)/v of it (zb-h1: (p-1)(stage - W) - (min(m, p) - 1) W, dualpipe: (p/2-1)(5/3 stage - 3W), W = compute/3); DP comm exposed beyond the compute it hides behind; memory = the fullest pipeline rank
     m = _check_layout(model, layout, global_batch, gpus)
     dp, tp, pp, cp, ep, v = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.virtual
     gpu = cluster.gpu
@@ -819,7 +739,13 @@ def step_time(model: Model, layout: Layout, cluster: Cluster, global_batch: int,
     ep_mb = moe_layers * (6 if full else 4) * group_time("all_to_all", routed, ep, tp * cp * pp, cluster)
     pp_mb = 2 * v * group_time("send", activation / tp, pp, tp * cp, cluster)
     stage_mb = compute_mb + recompute_mb + elementwise_mb + tp_mb + cp_mb + ep_mb + pp_mb
-    bubble = (pp - 1) / v * stage_mb
+    weight_grads_mb = compute_mb / 3       # W: the weight-gradient matmuls, what zero-bubble schedules move
+    if layout.schedule == "zb-h1":
+        bubble = (pp - 1) * (stage_mb - weight_grads_mb) - (min(m, pp) - 1) * weight_grads_mb
+    elif layout.schedule == "dualpipe":
+        bubble = (pp / 2 - 1) * (5 / 3 * stage_mb - 3 * weight_grads_mb)
+    else:
+        bubble = (pp - 1) / v * stage_mb
 
     # data parallelism: the rank with the most parameters, dense over dp x cp, experts over dp x cp / ep
     dense, experts = max(parameters_per_gpu(model, layout, r) for r in range(pp))
@@ -948,7 +874,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1, 2, 3),
-                      microbatch=(1, 2, 4, 8), schedules=SCHEDULES, virtual=(2, 4),
+                      microbatch=(1, 2, 4, 8), schedules=SEARCHED, virtual=(2, 4),
                       recompute=RECOMPUTE, max_tp: int | None = None, max_cp: int | None = 1,
                       max_ep: int | None = None, uneven: bool = False, flash=(False,), grad_bytes: int = 2,
                       tp_overlap: bool = False, tp_regather: bool = True):
@@ -957,8 +883,10 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
     max_ep when given), dp the rest, dividing the batch; each ZeRO stage of ``zero`` (only the
     first when dp x cp = 1: nothing to shard), each micro-batch size of ``microbatch`` that
     divides a replica's batch; with pp = 1 only "1f1b" (a pipeline schedule without a
-    pipeline), else each of ``schedules``, "interleaved" with each v of ``virtual`` that divides
-    the layers and whose m is a multiple of pp; each recomputation mode. ``uneven``: pp and v
+    pipeline), else each of ``schedules`` (by default ``SEARCHED``, the schedules the published
+    runs ran; any of ``SCHEDULES``), "interleaved" with each v of ``virtual`` that divides
+    the layers and whose m is a multiple of pp, "dualpipe" where pp and m are even; each
+    recomputation mode. ``uneven``: pp and v
     need not divide the layers (a layer or more per chunk), and such layouts get uneven=True.
     ``flash``: the attention kernels tried (innermost loop; default plain attention only);
     ``grad_bytes``, ``tp_overlap``, ``tp_regather``: what every layout gets (the stack's gradient
@@ -985,8 +913,9 @@ def candidate_layouts(model: Model, gpus: int, global_batch: int, *, zero=(0, 1,
                             m = global_batch // (dp * b)
                             plans = [("1f1b", 1)] if pp == 1 else [
                                 (s, v) for s in schedules for v in ((1,) if s != "interleaved" else virtual)
-                                if s != "interleaved" or (m % pp == 0 and model.layers >= pp * v
-                                                          and (uneven or model.layers % (pp * v) == 0))]
+                                if (s != "interleaved" or (m % pp == 0 and model.layers >= pp * v
+                                                           and (uneven or model.layers % (pp * v) == 0)))
+                                and (s != "dualpipe" or (pp % 2 == 0 and m % 2 == 0))]
                             for schedule, v in plans:
                                 for r in recompute:
                                     for fused in flash:

@@ -6,6 +6,10 @@ so that neither always goes first into a cold cache or a busy moment of the mach
 reports the median over repetitions. One repetition's time is the slowest rank's: a
 distributed step is only done when its last rank is. CUDA work is synchronised before the
 clock stops, so asynchronous kernels are timed to completion, not to their launch.
+
+``WaitClock`` measures the other half of an overlap: the seconds a rank spent waiting on
+collectives (``Work.wait``), the communication the computation did not hide (chapter 11's
+collective matmul, lab 11).
 """
 
 from __future__ import annotations
@@ -47,3 +51,25 @@ def interleaved_medians(candidates: dict, make_input, repeats: int, warmup: int 
 def sync_device() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+class WaitClock:
+    """Exposed communication, measured: the seconds this rank spent inside ``Work.wait()``
+    while active (time the computation could not hide). Not for use under a ``CommTracer``."""
+
+    def __enter__(self):
+        self.seconds, self._original = 0.0, dist.distributed_c10d.Work.wait
+        clock, original = self, self._original
+
+        def wait(work, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+
+        dist.distributed_c10d.Work.wait = wait
+        return self
+
+    def __exit__(self, *exc):
+        dist.distributed_c10d.Work.wait = self._original

@@ -296,7 +296,8 @@ def check_collective_matmul() -> dict:
     from types import SimpleNamespace
 
     from labkit.comm import assert_overlap
-    from labkit.compress import AllGatherColumnLinear, AllGatherMatmul, CollectiveMatmulMLP, WaitClock
+    from labkit.compress import AllGatherColumnLinear, AllGatherMatmul, CollectiveMatmulMLP
+    from labkit.timing import WaitClock
     from labkit.memory import PeakMemory, tensor_bytes
     from labkit.models import MLP
     rank, n = dist.get_rank(), dist.get_world_size()

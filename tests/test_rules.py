@@ -57,3 +57,18 @@ def test_a_mutant_must_match_its_module_exactly_once(tmp_path):
             mutants.Mutant("demo.task", "bad", "why", find=find, replace="").source(tmp_path)
     with pytest.raises(SyntaxError):
         mutants.Mutant("demo.task", "broken", "why", find="x = 1", replace="x = (").source(tmp_path)
+
+
+def test_a_stale_mutant_is_never_counted_as_killed():
+    """A mutant whose find text is gone errors in every test's set-up; that error mutates
+    nothing, so the plugin must not count it as a kill (it then shows as a survivor)."""
+    from types import SimpleNamespace
+    from labkit.course import grading
+    mutant = mutants.Mutant("demo.task", "gone", "why", find="x = 1", replace="x = 2")
+    item = SimpleNamespace(nodeid="tests/grading/test_demo.py::test_it")
+    for error, killed in ((mutants.StaleMutant("its 'find' text occurs 0 times"), False),
+                          (AssertionError("wrong answer"), True)):
+        config = SimpleNamespace(_labkit_fates={})
+        report = SimpleNamespace(failed=True, when="setup", duration=0.0, longrepr=str(error), sections=[])
+        grading._mutant_fate(config, mutant, item, report, SimpleNamespace(excinfo=SimpleNamespace(value=error)))
+        assert config._labkit_fates[mutant.id]["killed"] is killed, error

@@ -71,7 +71,6 @@ CATALOGUE: dict[str, Declares] = {
     "rpc.start_server": Declares(registers=True, why="serves the parameter server under its name (rpc.serve)"),
     "rpc.start_batching_server": Declares(registers=True, why="serves the batching server under its name (rpc.serve)"),
     # 11 communication efficiency: torch's comm hooks work on the bucket in place
-    "compress.average_future": Declares(writes=("buffer",), why="divides and all-reduces the bucket in place, as torch's allreduce_hook does"),
     "compress.hierarchical_all_reduce": Declares(writes=("tensor",), why="reduces in place, like dist.all_reduce"),
     "compress.orthogonalize": Declares(writes=("matrix",), why="Gram-Schmidt in place, as torch's _orthogonalize does"),
     "compress.PowerSGDState.random_qs": Declares(writes=("qs",), why="fills the Q matrices in place (from its own generator, not the global one)"),

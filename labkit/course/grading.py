@@ -331,8 +331,12 @@ def _mutant_fate(config, mutant, item, report, call) -> None:
     fate["seconds"] += report.duration
     if report.when == "call" or report.failed:
         fate["tests"] += report.when == "call"
+    from labkit.course import mutants
+    error = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(error, mutants.StaleMutant):   # it mutated nothing: never a kill
+        fate["why"] = f"STALE, not run: {error}"
+        return
     if report.failed and not fate["killed"]:
-        error = call.excinfo.value if call.excinfo is not None else None
         fate.update(killed=True, by=item.nodeid.split("::", 1)[-1],
                     message=_failure_text(report, error).splitlines()[0][:300] if _failure_text(report, error) else "")
 

@@ -31,6 +31,11 @@ from labkit.runtime.worker import OVERRIDES_ENV  # {module: source file}, read b
 GENERATED_ENV = "LABKIT_MUTANTS_FILE"   # a JSON list of mutants the grading plugin runs instead (labkit mutate's)
 
 
+class StaleMutant(ValueError):
+    """A mutant whose ``find`` text is not (or not once) in its module: it no longer mutates
+    anything, so the error it raises while grading is never a kill."""
+
+
 @dataclass(frozen=True)
 class Mutant:
     task: str          # the task whose points it must lose, e.g. "pp.1f1b"
@@ -52,7 +57,7 @@ class Mutant:
         original = (root / "labkit" / f"{self.module}.py").read_text()
         count = original.count(self.find)
         if count != 1:
-            raise ValueError(f"mutant {self.id}: its 'find' text occurs {count} times in "
+            raise StaleMutant(f"mutant {self.id}: its 'find' text occurs {count} times in "
                              f"labkit/{self.module}.py (must be exactly once); update the mutant")
         mutated = original.replace(self.find, self.replace)
         compile(mutated, f"labkit/{self.module}.py", "exec")

@@ -6,7 +6,7 @@ exercise module's source and refuse it, naming ``file:line``, when it
 * imports anything outside its chapter's allow-list: torch (minus the internals below),
   ``math``, ``typing``, ``dataclasses``, ``functools``, ``itertools``, ``collections``,
   ``contextlib``, ``enum``, ``abc``, ``numbers``, ``warnings``, ``time``, ``threading``,
-  ``random``; the course's tools (``labkit.models``, ``memory``, ``budget``, ``data``, ``check``,
+  ``random``; the course's tools (``labkit.models``, ``memory``, ``budget``, ``data``, ``check``, ``hooks``, ``hardware``,
   ``launch``'s rank helpers); the exercise modules of earlier chapters; and what a chapter needs
   besides (files for chapter 09, numpy for chapter 11, RPC for chapter 13);
 * reaches past that list at run time: ``getattr``/``setattr``/``delattr``/``hasattr`` with a
@@ -51,7 +51,8 @@ from labkit.course.chapters import CHAPTERS
 STDLIB = ("__future__", "math", "typing", "dataclasses", "functools", "itertools", "collections",
           "contextlib", "enum", "abc", "numbers", "warnings", "time", "threading", "random", "copy",
           "heapq", "bisect", "statistics")
-TOOLS = ("labkit.models", "labkit.memory", "labkit.budget", "labkit.data", "labkit.check",
+TOOLS = ("labkit.models", "labkit.memory", "labkit.budget", "labkit.data", "labkit.check", "labkit.hooks",
+         "labkit.hardware",
          "labkit.launch.restart_count", "labkit.launch.rpc_name", "labkit.launch.under_torchrun")
 FILES = ("os", "pathlib", "hashlib", "json", "re", "shutil", "tempfile", "io")
 
@@ -65,11 +66,9 @@ PRIVATE_OK = ("torch.autograd.Variable._execution_engine.queue_callback",  # a c
 EXTRA_PRIVATE: dict[str, tuple[str, ...]] = {
     "fsdp": ("torch.utils._pytree",),
     "ddp": ("torch._C.Future",),  # what a comm hook's future is (given code)
-    "compress": ("torch.distributed.distributed_c10d.Work.wait",),  # WaitClock (given code)
 }
 # Attributes of imported code a chapter's given code patches, each restored after use.
 EXTRA_PATCH: dict[str, tuple[str, ...]] = {
-    "compress": ("torch.distributed.distributed_c10d.Work.wait",),  # WaitClock times Work.wait
     "rpc": ("warnings.showwarning",),  # hides one note of torch's about the scripted optimizer
 }
 EXTRA_OS: dict[str, tuple[str, ...]] = {"elastic": ("os.kill",)}  # the lab's simulated crash kills itself

@@ -23,7 +23,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from labkit.runtime import contracts, deadlock, launcher, sandbox
+from labkit.runtime import agents, contracts, deadlock, sandbox
 
 OVERRIDES_ENV = "LABKIT_MODULE_OVERRIDES"  # JSON {exercise module: source file} (mutation testing)
 COURSE_DIR = os.path.dirname(os.path.abspath(__file__))  # frames from here are ours, not the user's
@@ -93,12 +93,12 @@ def run_rank(spec: dict) -> None:
         _init_process_group(rank, spec["world_size"], spec["backend"], spec["timeout"])
         check_peers()
         if spec.get("rpc"):  # launch(..., rpc=True): an RPC agent beside the process group
-            launcher.start_rpc(rank, spec["world_size"], spec["rpc"]["rpc_timeout"])
+            agents.start_rpc(rank, spec["world_size"], spec["rpc"]["rpc_timeout"])
         result = _run_user_function(fn, args, kwargs)
         if spec.get("rpc"):
             # Graceful: wait until every rank's fn returned and the RPCs and RRef messages in
             # flight are done (a rank serves the others after its own fn returned).
-            launcher.stop_rpc(graceful=True)
+            agents.stop_rpc(graceful=True)
         _save_coverage(cov)
         _flush()
         if spec.get("nonce"):

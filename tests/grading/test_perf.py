@@ -621,6 +621,80 @@ def test_step_pipeline_matches_a_simulation_of_the_schedule():
                 _close(got, want, f"{where}: activations of rank {rank}")
 
 
+def _zb_h1(p, m):
+    """ZB-H1 (Qi et al. 2024, arXiv:2401.10241), as chapter 06 builds it: 1F1B's order of F
+    and B (B now the input gradient only); rank s runs W(i) right after B(i + s), and the W's
+    still missing close its list in micro-batch order."""
+    from labkit.pp import Action
+    out = []
+    for s, actions in enumerate(_schedule("1f1b", p, m, 1)):
+        ordered, deferred = [], 0
+        for action in actions:
+            ordered.append(action)
+            if action.kind == "B" and action.microbatch >= s:
+                ordered.append(Action("W", action.microbatch - s, s))
+                deferred += 1
+        out.append(ordered + [Action("W", i, s) for i in range(deferred, m)])
+    return out
+
+
+@task("perf.step", points=2)
+def test_step_zero_bubble_schedules():
+    """ZB-H1: the step equals the makespan of the ZB-H1 schedule simulated with each
+    micro-batch's F = stage / 3, W = compute / 3 (the weight-gradient matmuls), B = the rest
+    (m below, at and above p; no, selective and full recomputation; tp 1 and 2), and every
+    rank's in_flight and activations equal the simulated peak. DualPipe (DeepSeek-V3, Table 2):
+    the bubble is (p/2 - 1)(F&B + B - 3W) with F&B = the stage and B = 2/3 of it; every rank
+    holds min(p + 1, m) micro-batches and the 16-bit weights twice (the rest of the model state
+    as 1F1B's); an odd p or an odd m is refused (ValueError)."""
+    from labkit import budget, pp
+    from labkit.perf import Layout, in_flight, memory_per_gpu, step_time
+    model, cluster = _dense(layers=8), _cluster()
+    for p, m, tp, recompute in ((2, 2, 1, "none"), (2, 5, 2, "full"), (4, 2, 1, "selective"), (4, 3, 2, "none"),
+                                (4, 4, 1, "full"), (4, 8, 2, "selective"), (8, 12, 1, "none")):
+        layout = Layout(pp=p, tp=tp, schedule="zb-h1", zero=0, recompute=recompute)
+        where = f"perf.step: {layout}, m={m}"
+        st = step_time(model, layout, cluster, global_batch=m)
+        stage = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+        weights = st.compute / m / 3
+        timeline = pp.simulate(_zb_h1(p, m), p, {"F": stage / 3, "B": 2 * stage / 3 - weights, "W": weights})
+        _close(st.total, timeline.makespan, f"{where}: step time vs the simulated ZB-H1 makespan")
+        _close(_terms(st), st.total, f"{where}: total vs the sum of its terms")
+        for rank in range(p):
+            held = timeline.peak_in_flight[rank]
+            _close(in_flight("zb-h1", p, m, 1, rank), held, f"{where}: in_flight(rank {rank})")
+            want = budget.korthikanti_activation_bytes(model.layers // p, model.seq, model.hidden, model.heads,
+                                                       micro=1, tp=tp, held=held, flash=recompute == "selective",
+                                                       full=recompute == "full")
+            if rank == p - 1:
+                want += 4 * model.seq * model.vocab / tp
+            _close(memory_per_gpu(model, layout, m, rank)["activations"], want, f"{where}: activations of rank {rank}")
+    for p, m, tp, recompute in ((2, 2, 1, "none"), (4, 4, 2, "full"), (4, 10, 1, "selective"), (8, 16, 2, "none")):
+        layout = Layout(pp=p, tp=tp, schedule="dualpipe", zero=0, recompute=recompute)
+        plain = replace(layout, schedule="1f1b")
+        where = f"perf.step: {layout}, m={m}"
+        st, base = step_time(model, layout, cluster, global_batch=m), step_time(model, plain, cluster, global_batch=m)
+        stage = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+        weights = st.compute / m / 3
+        _close(st.bubble, (p / 2 - 1) * (stage + 2 * stage / 3 - 3 * weights), f"{where}: DualPipe's bubble")
+        _close(st.total - st.bubble, base.total - base.bubble, f"{where}: all but the bubble as 1F1B's")
+        for rank in range(p):
+            _close(in_flight("dualpipe", p, m, 1, rank), min(p + 1, m), f"{where}: in_flight(rank {rank})")
+            got, one = memory_per_gpu(model, layout, m, rank), memory_per_gpu(model, plain, m, rank)
+            _close(got["params"], 2 * one["params"], f"{where}: rank {rank} keeps two copies of the weights")
+            for part in ("grads", "optimizer"):
+                _close(got[part], one[part], f"{where}: rank {rank}'s {part}")
+            want = budget.korthikanti_activation_bytes(model.layers // p, model.seq, model.hidden, model.heads,
+                                                       micro=1, tp=tp, held=min(p + 1, m),
+                                                       flash=recompute == "selective", full=recompute == "full")
+            if rank == p - 1:
+                want += 4 * model.seq * model.vocab / tp
+            _close(got["activations"], want, f"{where}: activations of rank {rank}")
+    for layout, batch in ((Layout(pp=3, schedule="dualpipe"), 6), (Layout(pp=2, schedule="dualpipe"), 3)):
+        with pytest.raises(ValueError):
+            step_time(_dense(layers=6), layout, cluster, global_batch=batch)
+
+
 @task("perf.step", points=2)
 def test_step_compute_recompute_throughput_and_mfu():
     """Compute = the step's FLOPs (flops_per_token x every token) over all GPUs at the achieved
@@ -1263,22 +1337,25 @@ def test_search_candidates_are_every_valid_layout():
     and nothing else (besides the search's conventions: one ZeRO stage when dp x cp = 1, "1f1b"
     without a pipeline, uneven=True exactly when pp x v does not divide the layers), on 12 GPUs
     for uneven factors: every tp | heads, cp | seq (max_cp=None), pp and v with and without
-    uneven stages, ep | dp and experts."""
-    from labkit.perf import Layout, candidate_layouts, step_time
+    uneven stages, ep | dp and experts; the default schedules (``SEARCHED``) and all of them
+    (``SCHEDULES``: ZB-H1, and DualPipe only where pp and m are even)."""
+    from labkit.perf import SCHEDULES, Layout, candidate_layouts, step_time
     cluster = _cluster(memory=1e15)
     limits = dict(zero=(0, 3), microbatch=(1, 2), virtual=(2, 3), recompute=("none",), max_cp=None)
-    for model, uneven in ((_dense(layers=6, heads=12, hidden=240, seq=24), False),
-                          (_dense(layers=6, heads=12, hidden=240, seq=24), True), (_moe(layers=6, seq=24), False)):
+    for model, uneven, schedules in ((_dense(layers=6, heads=12, hidden=240, seq=24), False, None),
+                                     (_dense(layers=6, heads=12, hidden=240, seq=24), True, SCHEDULES),
+                                     (_moe(layers=6, seq=24), False, None), (_moe(layers=6, seq=24), False, SCHEDULES)):
         batch = 12
-        got = list(candidate_layouts(model, 12, batch, uneven=uneven, **limits))
-        where = f"perf.search: {model.name} layers={model.layers} uneven={uneven}"
+        chosen = {} if schedules is None else {"schedules": schedules}
+        got = list(candidate_layouts(model, 12, batch, uneven=uneven, **limits, **chosen))
+        where = f"perf.search: {model.name} layers={model.layers} uneven={uneven} schedules={schedules or 'default'}"
         assert len(got) == len(set(got)), f"{where}: candidate_layouts repeats layouts"
         want = set()
         for dp, tp, pp, cp in itertools.product(range(1, 13), repeat=4):
             if dp * tp * pp * cp != 12:
                 continue
-            for ep, zero, b, schedule, v, cut in itertools.product(range(1, dp + 1), (0, 3), (1, 2), _SCHEDULES_ALL,
-                                                              (1, 2, 3), (False, True)):
+            for ep, zero, b, schedule, v, cut in itertools.product(range(1, dp + 1), (0, 3), (1, 2),
+                                                              schedules or _SCHEDULES_ALL, (1, 2, 3), (False, True)):
                 if (schedule == "interleaved") != (v > 1) or (zero and dp * cp == 1) or (pp == 1 and schedule != "1f1b"):
                     continue
                 if cut != (model.layers % (pp * v) != 0) or (cut and not uneven):

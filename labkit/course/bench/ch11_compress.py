@@ -139,7 +139,8 @@ def _collective_matmul_vs_unsplit(repeats: int) -> dict:
     from types import SimpleNamespace
 
     from labkit.comm import CommTracer, wire_bytes
-    from labkit.compress import CollectiveMatmulMLP, WaitClock
+    from labkit.compress import CollectiveMatmulMLP
+    from labkit.timing import WaitClock
     from labkit.models import MLP
     from labkit.sp import gather_sequence, reduce_scatter_sequence
     from labkit.tp import ParallelMLP
