@@ -556,8 +556,9 @@ def judge_image(image: Path, n: int, rank: int, states: dict, previous: int, new
 
 def crash_everywhere_on_rank(tmp: str, run_seed: int):
     """Saves at steps 2 and 4; then the step-6 save under ``CrashImages``: every image of the
-    disk it passes through is judged; then a save restarted over the leftovers of a crash; then
-    drawn runs of saves (``drawn_saves``)."""
+    disk it passes through is judged; then a save restarted over the leftovers of a crash, and one
+    over the staging directory a crash at a larger world size left (foreign files must not slip
+    in); then drawn runs of saves (``drawn_saves``)."""
     from labkit.elastic import Progress, capture_state, save_checkpoint
     rank, n = dist.get_rank(), dist.get_world_size()
     root, tmp = Path(tmp) / "ckpt", Path(tmp)
@@ -606,6 +607,26 @@ def crash_everywhere_on_rank(tmp: str, run_seed: int):
             assert problem is None, \
                 (f"elastic.save: world size {n}: a crash {leftover[0]} left {step_name(6)}.partial behind; "
                  f"saving step 6 again after the restart leaves {step_name(step)} incomplete: {problem}")
+    # A crash at a LARGER world size left its staging directory behind, holding files of ranks this
+    # job does not have; a save of that step must start from an empty one: none may slip in.
+    foreign = tmp / "foreign"
+    if rank == 0:
+        stale = foreign / f"{step_name(8)}.partial"
+        stale.mkdir(parents=True)
+        for file in (f"rank{n + 1}.pt", "metadata.json.tmp", "rank0.pt"):
+            (stale / file).write_bytes(b"left by a save that died at a larger world size")
+    dist.barrier()
+    save_checkpoint(states[6], foreign, 8)
+    dist.barrier()
+    listing = sorted(p.name for p in (foreign / step_name(8)).iterdir())
+    want = sorted(["metadata.json"] + [f"rank{r}.pt" for r in range(n)])
+    assert listing == want and sorted(p.name for p in foreign.iterdir()) == [step_name(8)], \
+        (f"elastic.save: world size {n}: saving step 8 where a crashed save at a larger world size left "
+         f"{step_name(8)}.partial/ (rank{n + 1}.pt, metadata.json.tmp, rank0.pt) gives {listing} in "
+         f"{step_name(8)} and {sorted(p.name for p in foreign.iterdir())} in the root; expected {want} alone: "
+         f"clear a leftover staging directory before writing into it")
+    problem = checkpoint_problem(foreign / step_name(8), 8, n, rank, states[6])
+    assert problem is None, f"elastic.save: world size {n}: saved over a crashed save's leftovers: {problem}"
     for step, tracer in zip((2, 4, 6, "6 again after a crash"), traces):
         save_ops(tracer.events, rank, n, states[step if step in states else 6],
                  f"elastic.save: world size {n}: rank {rank}: the save at step {step}")

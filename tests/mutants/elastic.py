@@ -45,6 +45,10 @@ MUTANTS = [
            find="return dict(model=model_pieces(model), optimizer=optimizer_pieces(optimizer, model),",
            replace="return dict(model=model_pieces(model), optimizer={},"),
     # elastic.save
+    Mutant("elastic.save", "keeps_crashed_staging",
+           "writes into a crashed save's leftover staging directory without clearing it first",
+           find="    if rank == 0 and staging.exists():\n        shutil.rmtree(staging)",
+           replace="    if False:\n        shutil.rmtree(staging)"),
     Mutant("elastic.save", "keeps_two",
            "prunes to the two newest, the usual setting, whatever keep says",
            find="for old in sorted(_step_dirs(root))[:-keep]:",
