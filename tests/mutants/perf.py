@@ -263,6 +263,9 @@ MUTANTS += [
 EQUIVALENT.update({
     "perf.step/swap/318e9f63": "min(pp - rank, m) and min(m, pp - rank) are the same value",
     "perf.step/swap/3cfe7680": "min(a, b) and min(b, a) are the same value (interleaved in-flight chunks)",
+    "perf.step/swap/41a59ad6": "min(pp, m) and min(m, pp) are the same value (ZB-H1's in-flight micro-batches)",
+    "perf.step/swap/18f9385a": "min(pp + 1, m) and min(m, pp + 1) are the same value (DualPipe's in-flight micro-batches)",
+    "perf.step/swap/9e15f629": "min(m, pp) and min(pp, m) are the same value (ZB-H1's bubble)",
     "perf.step/swap/686b59ec": "mfu divides by gpus x peak_flops: swapping the two factors changes nothing",
     "perf.step/int/aa239d61": "size < 1 instead of size < 2: a group of one rank costs 0 in group_time anyway",
 })
