@@ -348,9 +348,13 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
 
 
 def mixed_tensors(seed: int) -> list[torch.Tensor]:
-    """Tensors of three dtypes, interleaved, with values that differ by ``seed``."""
+    """Tensors of six dtypes, interleaved (two float widths, three integer widths and bool: each
+    needs its own message, and torch.cat of two integer widths would promote them), with values
+    that differ by ``seed``."""
     return [torch.arange(3, dtype=torch.float32) + seed, torch.arange(5, dtype=torch.int64) * (seed + 1),
-            torch.full((2, 2), seed + 0.5, dtype=torch.float64), torch.arange(4, dtype=torch.float32) - seed]
+            torch.full((2, 2), seed + 0.5, dtype=torch.float64), torch.arange(4, dtype=torch.int8) - seed,
+            torch.tensor([seed % 2 == 0, True, seed % 3 == 0]), torch.arange(4, dtype=torch.float32) - seed,
+            torch.arange(2, dtype=torch.int32) * (seed + 2)]
 
 
 def broadcast_on_rank(groups=None) -> None:
@@ -368,7 +372,8 @@ def broadcast_on_rank(groups=None) -> None:
         assert t.data_ptr() == before, (f"{where}, broadcast_tensors: tensor {i} now lives in other memory; "
                                         "overwrite each tensor in place (copy_), do not rebind it (.data =)")
     assert_ops(tracer, [Op("broadcast", size, members) for size in per_dtype_bytes(expected)],
-               f"{where}, broadcast_tensors of float32, int64, float64 and float32 tensors: {one_per_dtype}, "
+               f"{where}, broadcast_tensors of float32, int64, float64, int8, bool, float32 and int32 tensors: "
+               f"{one_per_dtype}, "
                f"over ranks {tuple(members)}")
     for i, (t, e) in enumerate(zip(tensors, expected)):
         assert_close(t, e, f"{where}, broadcast_tensors: tensor {i} ({e.dtype}) vs group rank 0's")
