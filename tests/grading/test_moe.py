@@ -268,6 +268,17 @@ def router_on_rank(drawn: list = ()) -> None:
             near(probs, ref_probs.to(dtype), what + ": route's softmax")
             assert torch.equal(experts, ref_probs.argmax(1, keepdim=True)), what + ": route's top-1"
             near(weights, ref_probs.max(1, keepdim=True).values.to(dtype), what + ": route's top-1 weight")
+            # k = 3 where most probabilities underflow to exactly 0: the second and third picks are
+            # ties at 0, still three DISTINCT experts, each at least as probable as any left out
+            experts, weights, probs, logits = route(x.to(dtype), gate.to(dtype), 3)
+            mine = probs.detach().double()
+            assert ((mine == 0).sum(1) >= 2).any(), "test set-up: some token's probabilities should underflow to 0"
+            assert all(len(set(row)) == 3 for row in experts.tolist()), \
+                f"{what}: route's top-3 must be 3 distinct experts per token (ties at probability 0), got {experts.tolist()}"
+            picked = mine.gather(1, experts)
+            rest = mine.scatter(1, experts, float("-inf")).max(1).values
+            assert (picked[:, :-1] >= picked[:, 1:]).all() and (picked[:, -1] >= rest).all(), \
+                f"{what}: route's top-3 must be the 3 most probable experts, most probable first, got {experts.tolist()}"
     configs = [(dtype, k, False) for dtype in DTYPES for k in (1, 2, 3, R_EXPERTS)]
     configs += [(dtype, k, True) for dtype in (torch.float64, torch.float32) for k in (1, 2)]
     for salt, (dtype, k, uneven) in enumerate(configs):
