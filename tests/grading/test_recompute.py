@@ -474,6 +474,15 @@ def selective_on_rank(cases=()) -> None:
             assert saved.bytes == want, (
                 f"{what}, s={s} b={b} h={h} a={a}, block {i}: saves {saved.bytes} B, want s b (72 h + 16) x 2 "
                 f"= {want} B (q, k, v kept; scores, softmax, dropout mask and dropped probabilities recomputed)")
+        # without dropout too: nothing random to replay, yet the scores and softmax are still not kept
+        model0 = memory_gpt(config, 0.0, selective=True, seed=rank).double()
+        x0 = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+        with SavedBytes(model0) as saved:
+            model0.blocks[0](x0)
+        want = drawn_saved_bytes(s, b, h, a, True, False)
+        assert saved.bytes == want, (
+            f"{what}, s={s} b={b} h={h} a={a}, dropout 0: a block saves {saved.bytes} B, want {want} B (selective "
+            f"recomputation drops the scores and softmax with or without dropout)")
         # the peak over forward and backward, measured: every block's share at the end of forward,
         # and in backward at most one attention core (12 a s^2 b in fp32) rebuilt on top of it
         model = memory_gpt(config, DROPOUT, selective=True, seed=rank).double()
