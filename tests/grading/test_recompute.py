@@ -313,6 +313,20 @@ def checkpoint_api(rank) -> None:
     out = Checkpoint.apply(lambda t: t * 2, torch.ones(3))
     assert not out.requires_grad and torch.equal(out, torch.full((3,), 2.0)), (
         f"recompute.checkpoint: rank {rank}, no argument requires a gradient: got {out}")
+    # fn's outputs come back as fn returns them: a one-element tuple stays a tuple (also when no
+    # argument requires a gradient); an int argument (a repeat count) is a constant like a float
+    for t in (torch.ones(3), torch.ones(3, requires_grad=True)):
+        out = Checkpoint.apply(lambda u: (u * 2,), t)
+        assert isinstance(out, tuple) and len(out) == 1 and torch.equal(out[0].detach(), torch.full((3,), 2.0)), (
+            f"recompute.checkpoint: rank {rank}, fn returns a one-element tuple (requires_grad={t.requires_grad}): "
+            f"Checkpoint.apply must return it as fn does, got {type(out).__name__} {out}")
+    t = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    out = Checkpoint.apply(lambda u, times: u * times, t, 3)
+    out.backward(torch.ones(3, dtype=torch.float64))
+    assert torch.equal(out.detach(), torch.full((3,), 3.0, dtype=torch.float64)) and \
+        torch.equal(t.grad, torch.full((3,), 3.0, dtype=torch.float64)), (
+        f"recompute.checkpoint: rank {rank}, Checkpoint.apply(fn, x, 3) with an int argument: output {out}, "
+        f"x.grad {t.grad}; want 3 x and 3 (an int is a constant, like a float)")
 
 
 def checkpoint_memory(rank) -> None:
