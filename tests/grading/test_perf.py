@@ -584,6 +584,21 @@ def _schedule(kind, p, m, v):
     return out
 
 
+def _per_microbatch(st, m):
+    """One micro-batch's time on the pipeline's critical path: every term but the bubble and DP."""
+    return (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+
+
+def _kept_activations(model, p, tp, held, recompute, last):
+    """Korthikanti's activations of one rank's L/p layers x ``held`` micro-batches of one sequence,
+    + the last rank's fp32 logits."""
+    from labkit import budget
+    kept = budget.korthikanti_activation_bytes(model.layers // p, model.seq, model.hidden, model.heads, micro=1,
+                                               tp=tp, held=held, flash=recompute == "selective",
+                                               full=recompute == "full")
+    return kept + (4 * model.seq * model.vocab / tp if last else 0)
+
+
 def _terms(st):
     return st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm + st.bubble + st.dp_exposed
 
@@ -605,7 +620,7 @@ def test_step_pipeline_matches_a_simulation_of_the_schedule():
             where = f"perf.step: {layout}, m={m}"
             st = step_time(model, layout, cluster, global_batch=m * b)
             assert st.microbatches == m, f"{where}: microbatches={st.microbatches}, expected {m}"
-            per_mb = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+            per_mb = _per_microbatch(st, m)
             timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
             _close(st.total, timeline.makespan, f"{where}: step time vs the simulated makespan")
             _close(st.bubble / st.total, timeline.bubble(), f"{where}: bubble fraction vs the simulation's idle share")
@@ -647,7 +662,7 @@ def test_step_zero_bubble_schedules():
     the bubble is (p/2 - 1)(F&B + B - 3W) with F&B = the stage and B = 2/3 of it; every rank
     holds min(p + 1, m) micro-batches and the 16-bit weights twice (the rest of the model state
     as 1F1B's); an odd p or an odd m is refused (ValueError)."""
-    from labkit import budget, pp
+    from labkit import pp
     from labkit.perf import Layout, in_flight, memory_per_gpu, step_time
     model, cluster = _dense(layers=8), _cluster()
     for p, m, tp, recompute in ((2, 2, 1, "none"), (2, 5, 2, "full"), (4, 2, 1, "selective"), (4, 3, 2, "none"),
@@ -655,7 +670,7 @@ def test_step_zero_bubble_schedules():
         layout = Layout(pp=p, tp=tp, schedule="zb-h1", zero=0, recompute=recompute)
         where = f"perf.step: {layout}, m={m}"
         st = step_time(model, layout, cluster, global_batch=m)
-        stage = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+        stage = _per_microbatch(st, m)
         weights = st.compute / m / 3
         timeline = pp.simulate(_zb_h1(p, m), p, {"F": stage / 3, "B": 2 * stage / 3 - weights, "W": weights})
         _close(st.total, timeline.makespan, f"{where}: step time vs the simulated ZB-H1 makespan")
@@ -663,18 +678,14 @@ def test_step_zero_bubble_schedules():
         for rank in range(p):
             held = timeline.peak_in_flight[rank]
             _close(in_flight("zb-h1", p, m, 1, rank), held, f"{where}: in_flight(rank {rank})")
-            want = budget.korthikanti_activation_bytes(model.layers // p, model.seq, model.hidden, model.heads,
-                                                       micro=1, tp=tp, held=held, flash=recompute == "selective",
-                                                       full=recompute == "full")
-            if rank == p - 1:
-                want += 4 * model.seq * model.vocab / tp
+            want = _kept_activations(model, p, tp, held, recompute, rank == p - 1)
             _close(memory_per_gpu(model, layout, m, rank)["activations"], want, f"{where}: activations of rank {rank}")
     for p, m, tp, recompute in ((2, 2, 1, "none"), (4, 4, 2, "full"), (4, 10, 1, "selective"), (8, 16, 2, "none")):
         layout = Layout(pp=p, tp=tp, schedule="dualpipe", zero=0, recompute=recompute)
         plain = replace(layout, schedule="1f1b")
         where = f"perf.step: {layout}, m={m}"
         st, base = step_time(model, layout, cluster, global_batch=m), step_time(model, plain, cluster, global_batch=m)
-        stage = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+        stage = _per_microbatch(st, m)
         weights = st.compute / m / 3
         _close(st.bubble, (p / 2 - 1) * (stage + 2 * stage / 3 - 3 * weights), f"{where}: DualPipe's bubble")
         _close(st.total - st.bubble, base.total - base.bubble, f"{where}: all but the bubble as 1F1B's")
@@ -684,12 +695,8 @@ def test_step_zero_bubble_schedules():
             _close(got["params"], 2 * one["params"], f"{where}: rank {rank} keeps two copies of the weights")
             for part in ("grads", "optimizer"):
                 _close(got[part], one[part], f"{where}: rank {rank}'s {part}")
-            want = budget.korthikanti_activation_bytes(model.layers // p, model.seq, model.hidden, model.heads,
-                                                       micro=1, tp=tp, held=min(p + 1, m),
-                                                       flash=recompute == "selective", full=recompute == "full")
-            if rank == p - 1:
-                want += 4 * model.seq * model.vocab / tp
-            _close(got["activations"], want, f"{where}: activations of rank {rank}")
+            _close(got["activations"], _kept_activations(model, p, tp, min(p + 1, m), recompute, rank == p - 1),
+                   f"{where}: activations of rank {rank}")
     for layout, batch in ((Layout(pp=3, schedule="dualpipe"), 6), (Layout(pp=2, schedule="dualpipe"), 3)):
         with pytest.raises(ValueError):
             step_time(_dense(layers=6), layout, cluster, global_batch=batch)
@@ -1229,7 +1236,7 @@ def test_step_uneven_stages():
             _close(st.tp_comm, m * fullest * (4 * collective_time("all_reduce", act, 2, cluster.nvlink)
                                               + 2 * collective_time("all_gather", act, 2, cluster.nvlink)),
                    f"{where}: tp_comm (with Megatron's re-gather)")
-            per_mb = (st.compute + st.recompute + st.elementwise + st.tp_comm + st.cp_comm + st.ep_comm + st.pp_comm) / m
+            per_mb = _per_microbatch(st, m)
             timeline = pp.simulate(_schedule(kind, p, m, v), p * v, {"F": per_mb / 3 / v, "B": 2 * per_mb / 3 / v})
             _close(st.total, timeline.makespan, f"{where}: step vs the simulated makespan at the fullest rank's pace")
             held = timeline.peak_in_flight[0] / v
