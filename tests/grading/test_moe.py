@@ -239,10 +239,20 @@ def ref_weights(gate64, x64, experts, k):
     return chosen / chosen.sum(1, keepdim=True) if k > 1 else chosen
 
 
+# Fixed configurations run through the drawn cases' checks, so that what those check (the
+# tokens' gradient, a column-major x, ties) is graded on every seed, not only where a draw has it.
+ROUTER_FIXED = [
+    dict(tokens=9, num_experts=4, k=2, hidden=5, dtype=torch.float32, tie="none", scale=1.0, column_major=False,
+         salt=4242, replay="(a fixed case)", kind="fixed"),
+    dict(tokens=6, num_experts=3, k=1, hidden=3, dtype=torch.float64, tie="duplicate expert", scale=1.0,
+         column_major=True, salt=17, replay="(a fixed case)", kind="fixed"),
+]
+
+
 def router_on_rank(drawn: list = ()) -> None:
     from labkit.moe import load_balancing_loss, route, router_z_loss
     rank = dist.get_rank()
-    router_drawn_on_rank(drawn)
+    router_drawn_on_rank(ROUTER_FIXED + list(drawn))
     for dtype in DTYPES:  # logits where exp overflows: logsumexp and softmax must not
         scale = LARGE[dtype]
         what = f"moe.router: rank {rank}, {NAMES[dtype]}, logits of about {scale:g} (exp overflows)"
@@ -375,7 +385,7 @@ def router_drawn_case(c: dict, rank: int) -> None:
     random weights on aux and z-loss (one backward through every output)."""
     from labkit.moe import load_balancing_loss, route, router_z_loss
     tokens, num_experts, k, hidden, dtype = (c[key] for key in ("tokens", "num_experts", "k", "hidden", "dtype"))
-    what = (f"moe.router (drawn): rank {rank}, {NAMES[dtype]}, T={tokens}, E={num_experts}, k={k}, H={hidden}, "
+    what = (f"moe.router ({c.get('kind', 'drawn')}): rank {rank}, {NAMES[dtype]}, T={tokens}, E={num_experts}, k={k}, H={hidden}, "
             f"ties: {c['tie']}, logit scale {c['scale']:g}{', x column-major' if c['column_major'] else ''} {c['replay']}")
     gen = torch.Generator().manual_seed(c["salt"] + rank)
     x64 = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64)
@@ -466,7 +476,9 @@ def capacity_on_rank(drawn: dict | None = None) -> None:
     if drawn:
         capacity_drawn_on_rank(drawn)
     cases = [(12, 4, 2, 1.0), (10, 4, 2, 1.25), (7, 3, 1, 0.5), (9, 8, 2, 2.0), (13, 5, 3, 1.0), (8, 4, 4, 1.0),
-             (10, 4, 3, 0.2), (6, 4, 2, 0.5), (16, 4, 1, 0.25), (20, 8, 2, 1.5), (5, 5, 5, 1.0), (11, 3, 3, 0.75)]
+             (10, 4, 3, 0.2), (6, 4, 2, 0.5), (16, 4, 1, 0.25), (20, 8, 2, 1.5), (5, 5, 5, 1.0), (11, 3, 3, 0.75),
+             (29, 7, 7, 1.0),  # C k T / E = 29 exactly, but 29 / 7 * 7 rounds to 29.000000000000004
+             (6, 2, 2, 4.0)]   # C k > E: an expert may take more slots (24) than there are tokens (6)
     for tokens, experts, k, factor in cases:
         want = math.ceil(Fraction(factor) * k * tokens / experts)
         got = expert_capacity(tokens, experts, k, factor)
@@ -485,6 +497,8 @@ def capacity_on_rank(drawn: dict | None = None) -> None:
             gen = torch.Generator().manual_seed(50 + salt + 1000 * rank)
             choices = torch.stack([torch.randperm(used, generator=gen)[:k] for _ in range(tokens)])
             choices[::2, 0] = 0  # crowd expert 0 with first choices
+            if salt % 2:  # every other table column-major: [T, k] need not be row-major
+                choices = choices.t().contiguous().t()
             fullest = torch.bincount(choices.reshape(-1)).max().item()
             if isinstance(factor, str):
                 capacity = fullest if factor == "fullest" else fullest - 1
@@ -498,7 +512,8 @@ def capacity_on_rank(drawn: dict | None = None) -> None:
                     if capacity is None or taken[e] < capacity:
                         taken[e] += 1
                         want[t, j] = True
-            what = f"moe.capacity: rank {rank}, E={num_experts}, k={k}, T={tokens}, capacity {capacity} ({factor})"
+            what = (f"moe.capacity: rank {rank}, E={num_experts}, k={k}, T={tokens}, capacity {capacity} ({factor})"
+                    + (", choices column-major" if salt % 2 else ""))
             if factor == "fullest":
                 assert want.all(), "test set-up: nothing should drop at the fullest count"
             if factor == "fullest - 1":
@@ -628,10 +643,26 @@ PATTERNS = {  # rows group rank s sends to group rank d, of a group of m
 }
 
 
+# Two calls forward before either backward (the layer's dispatch and combine), with other splits
+# for every rank at every world size, graded on every seed (the drawn cases may not differ so).
+DISPATCH_FIXED = [
+    dict(group=0, dtype=torch.float32, hidden=3, strided=False, local=2, counts_strided=False, salt=31,
+         splits=([[1, 2, 0, 3], [2, 0, 1, 1], [0, 3, 2, 1], [1, 1, 1, 0]],
+                 [[2, 0, 1, 1], [3, 1, 0, 2], [1, 1, 3, 0], [0, 2, 2, 1]]),
+         counts=[[5, 0, 7, 1, 2, 9, 0, 4], [1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 9, 9, 1, 1, 2, 2], [3, 1, 4, 1, 5, 9, 2, 6]],
+         replay="(a fixed case)", kind="fixed"),
+    dict(group=0, dtype=torch.float64, hidden=2, strided=True, local=1, counts_strided=True, salt=32,
+         splits=([[3, 1, 2, 0], [0, 2, 1, 2], [2, 2, 0, 1], [1, 0, 3, 1]],
+                 [[1, 3, 0, 2], [2, 1, 1, 0], [0, 1, 2, 3], [2, 2, 0, 1]]),
+         counts=[[4, 0, 2, 1], [0, 0, 3, 5], [7, 1, 0, 2], [1, 2, 3, 4]],
+         replay="(a fixed case)", kind="fixed"),
+]
+
+
 def dispatch_on_rank(drawn: list = ()) -> None:
     from labkit.moe import AllToAll, exchange_counts
     rank = dist.get_rank()
-    dispatch_drawn_on_rank(drawn)
+    dispatch_drawn_on_rank(DISPATCH_FIXED + list(drawn))
     for group_name, members, group in groups_of_world():
         if rank not in members:
             continue
@@ -743,7 +774,7 @@ def dispatch_drawn_on_rank(cases: list) -> None:
                 x, g = x.t().contiguous().t(), g.t().contiguous().t()
             calls.append(dict(rows=rows, xs=xs, gs=gs, x=x.requires_grad_(True), g=g,
                               send=rows[me], recv=[rows[s][me] for s in range(m)]))
-        what = (f"moe.dispatch (drawn): AllToAll on rank {rank}, {group_name}, {NAMES[dtype]}, H={hidden}, "
+        what = (f"moe.dispatch ({c.get('kind', 'drawn')}): AllToAll on rank {rank}, {group_name}, {NAMES[dtype]}, H={hidden}, "
                 f"call 1 sends {calls[0]['send']} receives {calls[0]['recv']}, call 2 sends {calls[1]['send']} "
                 f"receives {calls[1]['recv']}{', column-major rows and gradients' if c['strided'] else ''} {c['replay']}")
         with CommTracer() as tracer:
@@ -775,7 +806,7 @@ def dispatch_drawn_on_rank(cases: list) -> None:
         with CommTracer() as tracer:
             got = exchange_counts(counts, group)
         want = torch.stack([table[s][me * local:(me + 1) * local] for s in range(m)])
-        where = (f"moe.dispatch (drawn): exchange_counts on rank {rank}, {group_name}, {local} experts per rank, counts "
+        where = (f"moe.dispatch ({c.get('kind', 'drawn')}): exchange_counts on rank {rank}, {group_name}, {local} experts per rank, counts "
                  f"{counts.tolist()}{' (a strided view)' if c['counts_strided'] else ''} {c['replay']}")
         assert isinstance(got, torch.Tensor) and got.dtype == torch.int64 and torch.equal(got, want), \
             f"{where}: row s = what group rank s sends to my experts\n got {got!r}\n want {want.tolist()}"

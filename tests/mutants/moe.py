@@ -256,7 +256,7 @@ MUTANTS += [
 MUTANTS += [
     # moe.capacity
     Mutant("moe.capacity", "divide_first", "ceil(T / E * k * C): the same formula in another order, one row too many "
-           "where C k T / E is an exact integer and T / E is not exact in binary (T=7, E=3, k=3, C=1: 8, not 7)",
+           "where C k T / E is an exact integer and T / E is not exact in binary (T=29, E=7, k=7, C=1: 30, not 29)",
            find="return math.ceil(capacity_factor * k * tokens / num_experts)",
            replace="return math.ceil(tokens / num_experts * k * capacity_factor)"),
     Mutant("moe.capacity", "view_not_reshape", "flattens the choices with view(-1): refuses a [T, k] table that is not "
