@@ -575,7 +575,9 @@ def check_assign_buckets() -> None:
                           (8, [["p5"], ["p4"], ["p3"], ["p2", "p1"], ["p0"]]),
                           (16, [["p5", "p4"], ["p3"], ["p2", "p1", "p0"]]),
                           (12, [["p5"], ["p4"], ["p3"], ["p2", "p1", "p0"]]),
-                          (4, [["p5"], ["p4"], ["p3"], ["p2"], ["p1"], ["p0"]])]:
+                          (4, [["p5"], ["p4"], ["p3"], ["p2"], ["p1"], ["p0"]]),
+                          # the float64 bucket closes at 16 B, under the cap: p2's bucket starts from 0 B
+                          (40, [["p5", "p4"], ["p3"], ["p2", "p1", "p0"]])]:
         got = [[names[id(p)] for p in bucket] for bucket in assign_buckets(params, cap)]
         assert got == expected, (
             f"ddp.bucketed: assign_buckets of parameters p0..p5 of 4, 4, 4, 16 (float64), 4, 12 bytes, cap {cap} B: "
