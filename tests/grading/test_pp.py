@@ -539,12 +539,15 @@ def brute_force_partition(costs, k):
 @task("pp.split", points=2)
 def test_partition_is_contiguous_balanced_and_refuses_too_many_stages():
     from labkit.pp import partition
+    # fixed: stages that reach the best limit exactly, ties, one layer dwarfing the rest
+    fixed = [[1, 1, 1], [2, 2, 2, 2, 2], [3, 1, 2, 2, 1], [1, 2, 3, 4, 5, 6, 7, 8], [10 ** 6, 1, 10 ** 6, 1], [5]]
     rng = configs.rng("pp.split")  # the run's seed: other costs each run
+    drawn = []
     for trial in range(configs.budget(ci=60, long=600)):
-        n = 1 + trial % 8
         top = rng.choice((3, 20, 10 ** 6))   # few distinct costs (many ties) to large ones
-        costs = [rng.randint(1, top) for _ in range(n)]
-        for k in range(1, n + 1):
+        drawn.append([rng.randint(1, top) for _ in range(1 + trial % 8)])
+    for costs in fixed + drawn:
+        for k in range(1, len(costs) + 1):
             got, want = partition(costs, k), brute_force_partition(costs, k)
             assert got == want, f"pp.split: partition({costs}, {k}) = {got}; expected {want} {configs.replay()}"
     with pytest.raises(ValueError, match="layers"):
