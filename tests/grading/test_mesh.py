@@ -501,6 +501,8 @@ def test_plan_counts_what_a_layout_leaves_on_a_rank():
     fsdp3 = parameters_on_rank(shape, Layout(dp=3, zero=3))  # rows padded to ceil(rows / 3)
     padded = 4 * (2 * 3 + 8 * 8 + 8 + 3 * 8 + 3 + 2 * 3 + 11 * 8 + 11 + 3 * 32 + 3) + 4 * 8 + 2 * 8 + 2 * 3
     assert fsdp3["params"] == padded, f"mesh.plan: ZeRO-3 over 3 keeps {fsdp3['params']}; expected {padded}"
+    with_cp = parameters_on_rank(shape, Layout(dp=3, cp=2, zero=3))  # this course's FSDP shards over dp only
+    assert with_cp == fsdp3, f"mesh.plan: ZeRO-3 over dp=3 with cp=2 keeps {with_cp}; expected {fsdp3} (as with cp=1)"
     last = parameters_on_rank(shape, Layout(pp=2), stage=1)
     assert last["params"] == 2 * (12 * h * h + 13 * h) + 2 * h + 10 * h, f"mesh.plan: the last of 2 stages keeps {last}"
     memory = memory_per_gpu(shape, Layout(dp=4, zero=1), bytes_per_element=2, master_bytes=4)
