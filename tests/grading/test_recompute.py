@@ -625,7 +625,12 @@ def offload_on_rank(cases=()) -> None:
     losses = []
     got = train(model, rank, forward=forward, on_step=after_backward)
     assert_same_training(got, plain, what + f" vs no offloading (one pool over {STEPS} steps)")
-    offload_drawn(rank, cases)
+    offload_drawn(rank, [OFFLOAD_FIXED, *cases])
+
+
+# One pool over two steps of other shapes (fewer rows, then shorter rows), on every seed.
+OFFLOAD_FIXED = dict(layers=2, heads=2, width=4, seq=5, batch=2, seq2=3, batch2=1, dropout=0.0, scale=-0.5,
+                     k=1, number=-1, replay="")
 
 
 # ----------------------------------------------------------------------------- accumulate
@@ -1076,7 +1081,8 @@ def drawn_config(case: dict) -> GPTConfig:
 
 
 def drawn_what(task_id: str, rank: int, case: dict) -> str:
-    return (f"{task_id}: rank {rank}, drawn case {case['number']} (L={case['layers']} blocks, k={case['k']}, "
+    name = "a fixed case" if case["number"] < 0 else f"drawn case {case['number']}"
+    return (f"{task_id}: rank {rank}, {name} (L={case['layers']} blocks, k={case['k']}, "
             f"h={case['width']}, a={case['heads']}, [b, s] = [{case['batch']}, {case['seq']}] then "
             f"[{case['batch2']}, {case['seq2']}], dropout {case['dropout']}, loss x {case['scale']:.3g}) "
             f"{case['replay']}")
