@@ -235,6 +235,10 @@ def partition_on_rank(seed: int) -> None:
         "sizes 5,1,9,3,3,7,2": [torch.empty(s) for s in (5, 1, 9, 3, 3, 7, 2)],
         "six equal sizes": [torch.empty(3) for _ in range(6)],
         "fewer parameters than ranks": [torch.empty(4, 2), torch.empty(3)],
+        "4 float64, 5 bfloat16, 3 float32, 2 float64, 5 bfloat16, 1 float64 (elements, not bytes)": [
+            torch.empty(numel, dtype=dtype) for numel, dtype in ((4, torch.float64), (5, torch.bfloat16),
+                                                                 (3, torch.float32), (2, torch.float64),
+                                                                 (5, torch.bfloat16), (1, torch.float64))],
     }
     # Drawn from the run's seed (the same stream on every rank): 1-12 tensors of 1-3 dims and
     # dtypes of other sizes (the greedy counts elements), many of equal size (ties), some empty.

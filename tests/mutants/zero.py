@@ -11,6 +11,11 @@ MUTANTS = [
     Mutant("zero.partition", "smallest_first", "sorts the parameters smallest first",
            find="for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):  # stable sort",
            replace="for i in sorted(range(len(params)), key=lambda i: params[i].numel()):"),
+    Mutant("zero.partition", "bytes_not_elements", "balances bytes, not elements: right while every parameter "
+           "has one dtype", find="loads[rank] += params[i].numel()\n",
+           replace="loads[rank] += params[i].numel() * params[i].element_size()\n"),
+    Mutant("zero.partition", "ties_to_the_highest_rank", "on a tie gives the parameter to the highest rank",
+           find="rank = loads.index(min(loads))", replace="rank = len(loads) - 1 - loads[::-1].index(min(loads))"),
     Mutant("zero.partition", "most_loaded_rank", "picks the rank with the most elements: unbalanced",
            find="rank = loads.index(min(loads))", replace="rank = loads.index(max(loads))"),
     Mutant("zero.partition", "broadcast_from_rank0",
