@@ -48,6 +48,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, DistributedSampler
 
 from labkit.check import assert_close, tolerance
@@ -796,6 +797,29 @@ def draw_servers(n: int) -> list[dict]:
 
 ASYNC_STEPS = 8
 SLOW = 0.03  # seconds worker 1 sleeps per iteration: the others get ahead of it
+# Worker 2 (where there is one) runs ahead, then pauses in iteration 3 long enough for worker 1
+# to complete updates meanwhile: its gradient of iteration 3 is then pushed at a later version
+# than it was computed on, and the log must say the one it was computed on.
+PAUSE = [0.0, 0.0, 0.0, 0.5] + [0.0] * (ASYNC_STEPS - 4)
+
+
+class VersionsSent(TorchDispatchMode):
+    """The server's version messages (one float64 element, sent before the parameters that
+    answer a pull), per worker in the order sent: worker w's i-th is the version of the
+    parameters it computed iteration i on. Read off the wire, whatever code sent them."""
+
+    def __init__(self):
+        super().__init__()
+        self.to: dict[int, list[int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d" and func._opname == "send":
+            named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+            tensor = named["tensors"][0]
+            if tensor.numel() == 1 and tensor.dtype == torch.float64:
+                self.to.setdefault(int(named["dst"]), []).append(int(tensor.item()))
+        return func(*args, **kwargs)
 
 
 def ps_async_on_rank(bounds) -> None:
@@ -805,13 +829,13 @@ def ps_async_on_rank(bounds) -> None:
     batches = toy_batches(12, steps=ASYNC_STEPS, seed=3)
     x_all, y_all = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
     for bound in bounds:
-        what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness bound {bound}, worker 1 slow"
+        what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness bound {bound}, worker 1 slow" + (", worker 2 pausing in iteration 3" if n > 2 else "")
         model = make_toy()
         with torch.no_grad():
             start = toy_loss(model, x_all, y_all).item()
-        with CommTracer() as tracer:
+        with CommTracer() as tracer, VersionsSent() as sent:
             log = run_parameter_server(model, sgd(model, 0.1), toy_loss, batches, staleness=bound,
-                                       delays={1: SLOW})
+                                       delays={1: SLOW, 2: PAUSE} if n > 2 else {1: SLOW})
         check_ps_ops(tracer, model, ASYNC_STEPS, what)
         with torch.no_grad():
             end = toy_loss(model, x_all, y_all).item()
@@ -820,6 +844,11 @@ def ps_async_on_rank(bounds) -> None:
         applied = sorted((w, i) for w, i, _ in log.applied)
         expected = sorted((w, i) for w in range(1, n) for i in range(ASYNC_STEPS))
         assert applied == expected, f"{what}: the server applied (worker, iteration) {applied}, expected {expected}"
+        for worker, iteration, version in log.applied:
+            read = sent.to[worker][iteration]
+            assert version == read, (
+                f"{what}: the log says worker {worker}'s gradient of iteration {iteration} was computed on "
+                f"version {version}, but the parameters sent for that pull were version {read}")
         for (worker, iteration, version), stale in zip(log.applied, log.staleness):
             assert 0 <= stale <= bound, (
                 f"{what}: worker {worker}'s gradient of iteration {iteration} was computed on version "

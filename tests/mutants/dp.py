@@ -97,6 +97,11 @@ MUTANTS = [
            find="        send_header(PULL, iteration)\n        version = recv_params(model)\n",
            replace="        if iteration == 0:\n            send_header(PULL, iteration)\n"
                    "            version = recv_params(model)\n"),
+    Mutant("dp.parameter_server", "logs_the_servers_version",
+           "logs each gradient with the server's version when it arrives, not the version it was computed on: "
+           "the same while no update lands between a worker's pull and its push",
+           find="            log.applied.append((sender, iteration, read_version))",
+           replace="            log.applied.append((sender, iteration, version))"),
     Mutant("dp.parameter_server", "staleness_off_by_one", "answers a pull one version too early: s + 1 stale",
            find="            if version >= iteration - staleness:",
            replace="            if version >= iteration - staleness - 1:"),
