@@ -55,6 +55,8 @@ Tests of one task never depend on another's stub being filled in first, except t
 no_sync test also runs bucketed mode after per-parameter mode.
 """
 
+import gc
+import weakref
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -274,6 +276,20 @@ def check_overlap(task_id, where, tracer, grads, hooks) -> None:
                    "all-reduce is in flight", events=grads, exempt_last=1)
 
 
+def check_gradients_freed(task_id: str, where: str, ddp, released: list) -> None:
+    """After zero_grad(set_to_none=True) the step's gradients must be freed: nothing of DDP's
+    may hold them into the next forward (a gradient that is a view of a bucket's buffer, as
+    with DDP's gradient_as_bucket_view, costs no memory of its own and may stay)."""
+    gc.collect()
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in ddp.buckets or ()}
+    kept = [ref() for ref in released if ref() is not None]
+    kept = [g for g in kept if g.untyped_storage().data_ptr() not in buffers]
+    assert not kept, (
+        f"{task_id}: {where}: {len(kept)} of the step's {len(released)} gradients are still alive after "
+        "zero_grad(set_to_none=True): something of DDP's still holds them (the handles of all-reduces already "
+        "waited on?), so a whole gradient's memory stays allocated through the next forward")
+
+
 def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None) -> None:
     """On every rank: STEPS optimizer steps of ours, the built-in and the reference, compared.
     ``groups``: a partition of the world, one model per group (None: one over the world)."""
@@ -335,9 +351,12 @@ def train_and_compare(task_id: str, case: str, micro_steps: int = 1, groups=None
                                       members, overlap)
         check_grads(task_id, where, models["ours"], models["reference"], "the single-process reference", *tol)
         check_grads(task_id, where, models["ours"], models["builtin"], "DistributedDataParallel", *tol)
+        released = [weakref.ref(p.grad) for p in models["ours"].parameters() if p.grad is not None]
         for name in models:
             optims[name].step()
             optims[name].zero_grad()
+        traced[0] = tracer = None  # the tracer keeps the step's all-reduce handles
+        check_gradients_freed(task_id, where, ours, released)
         check_params(task_id, where + " (after the optimizer step)", models["ours"], models["reference"],
                      "the single-process reference", *tol)
         check_params(task_id, where + " (after the optimizer step)", models["ours"], models["builtin"],
