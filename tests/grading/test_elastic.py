@@ -692,6 +692,51 @@ def test_a_crash_at_any_file_system_step_leaves_a_complete_checkpoint(tmp_path, 
     run_graded("elastic.save", crash_everywhere_on_rank, world_size, str(tmp_path), configs.announce("elastic.save"))
 
 
+def save_then_crash(root: str, stage: str) -> None:
+    """A good save at step 2, then the step-4 save with ``crash_at=stage`` (rank 0 dies in it)."""
+    from labkit.elastic import Progress, capture_state, save_checkpoint
+    model, opt = build("fsdp")
+    for step in (2, 4):
+        train_steps(model, opt, step - 2, 1)
+        state = capture_state(model, opt, Progress(step=step, position=step * BATCH))
+        save_checkpoint(state, root, step, crash_at=stage if step == 4 else None)
+
+
+# What the step-4 staging directory holds when rank 0 dies before each stage ("write": halfway
+# through writing its file), and what it must not hold yet; the step-2 checkpoint stays whole.
+CRASH_LEFTOVERS = {
+    "write": ({"rank0.pt.tmp"}, {"rank0.pt", "metadata.json"}),
+    "metadata": ({"rank0.pt", "rank1.pt"}, {"metadata.json", "metadata.json.tmp", "rank0.pt.tmp"}),
+    "rename": ({"rank0.pt", "rank1.pt", "metadata.json"}, {"rank0.pt.tmp", "metadata.json.tmp"}),
+}
+
+
+@task("elastic.save", points=1)
+@pytest.mark.parametrize("stage", sorted(CRASH_LEFTOVERS))
+def test_crash_at_kills_rank_0_just_before_its_stage(tmp_path, stage):
+    """The lab's fault injection: ``crash_at`` must reach ``_maybe_crash`` at its place in the save."""
+    import labkit
+    root = tmp_path / "ckpt"
+    what = f"elastic.save: save_checkpoint(..., crash_at={stage!r}) at world size 2"
+    try:
+        labkit.launch(save_then_crash, 2, str(root), stage, timeout=60)
+    except labkit.WorkerError as error:
+        assert (error.rank, error.exc_type) == (0, "ProcessExit") and "signal 9" in error.message, \
+            f"{what}: rank 0 must die by SIGKILL inside the save; the launch ended with: {str(error)[:1200]}"
+    else:
+        raise AssertionError(f"{what}: the save finished: crash_at must make rank 0 kill itself (_maybe_crash)")
+    assert sorted(p.name for p in root.iterdir()) == [step_name(2), step_name(4) + ".partial"], \
+        f"{what}: the root holds {sorted(p.name for p in root.iterdir())}; expected the step-2 checkpoint and the " \
+        "step-4 staging directory"
+    assert sorted(p.name for p in (root / step_name(2)).iterdir()) == ["metadata.json", "rank0.pt", "rank1.pt"], \
+        f"{what}: the step-2 checkpoint must stay whole"
+    held = {p.name for p in (root / (step_name(4) + ".partial")).iterdir()}
+    present, absent = CRASH_LEFTOVERS[stage]
+    assert present <= held and not absent & held, \
+        f"{what}: rank 0 died with the staging directory holding {sorted(held)}; a crash just before " \
+        f"{stage!r} leaves {sorted(present)} there and not {sorted(absent)}"
+
+
 # ----------------------------------------------------------------------------- elastic.load: refusals
 
 
