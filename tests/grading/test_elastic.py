@@ -712,7 +712,7 @@ CRASH_LEFTOVERS = {
 
 
 @task("elastic.save", points=1)
-@pytest.mark.parametrize("stage", sorted(CRASH_LEFTOVERS))
+@pytest.mark.parametrize("stage", ["write", "metadata", "rename"])
 def test_crash_at_kills_rank_0_just_before_its_stage(tmp_path, stage):
     """The lab's fault injection: ``crash_at`` must reach ``_maybe_crash`` at its place in the save."""
     import labkit
