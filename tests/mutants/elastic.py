@@ -16,18 +16,9 @@ _SAVE_RENAME = '''        (staging / (METADATA + ".tmp")).write_text(json.dumps(
         os.rename(staging, final)  # the one atomic step: from here on the checkpoint exists
 '''
 
-_SAVE_METADATA = """        _maybe_crash(crash_at, "metadata", rank)
-        tensors: dict = {}
-        for file, _, pieces in gathered:
-            for key, (shape, start, rows) in pieces.items():
-                tensors.setdefault(key, dict(shape=shape, pieces=[]))["pieces"].append([file, start, rows])
-        metadata = dict(step=step, world_size=world, files={file: digest for file, digest, _ in gathered},
-                        tensors=tensors)
-        (staging / (METADATA + ".tmp")).write_text(json.dumps(metadata))
-        os.replace(staging / (METADATA + ".tmp"), staging / METADATA)
-"""
+_METADATA_CRASH = '        _maybe_crash(crash_at, "metadata", rank)\n'
 
-_SAVE_METADATA_CRASH_LAST = """        tensors: dict = {}
+_SAVE_METADATA = _METADATA_CRASH + """        tensors: dict = {}
         for file, _, pieces in gathered:
             for key, (shape, start, rows) in pieces.items():
                 tensors.setdefault(key, dict(shape=shape, pieces=[]))["pieces"].append([file, start, rows])
@@ -35,7 +26,6 @@ _SAVE_METADATA_CRASH_LAST = """        tensors: dict = {}
                         tensors=tensors)
         (staging / (METADATA + ".tmp")).write_text(json.dumps(metadata))
         os.replace(staging / (METADATA + ".tmp"), staging / METADATA)
-        _maybe_crash(crash_at, "metadata", rank)
 """
 
 MUTANTS = [
@@ -149,7 +139,7 @@ MUTANTS = [
            find='    _maybe_crash(crash_at, "write", rank, staging / (name + ".tmp"))\n', replace=""),
     Mutant("elastic.save", "metadata_crash_after_the_metadata", "crashes for 'metadata' after writing metadata.json, "
            "not before: the lab's crash leaves another directory than the one it describes",
-           find=_SAVE_METADATA, replace=_SAVE_METADATA_CRASH_LAST),
+           find=_SAVE_METADATA, replace=_SAVE_METADATA.removeprefix(_METADATA_CRASH) + _METADATA_CRASH),
     Mutant("elastic.save", "copied_not_renamed", "copies the staging directory into place, then deletes it",
            find="        os.rename(staging, final)  # the one atomic step: from here on the checkpoint exists",
            replace="        shutil.copytree(staging, final)\n        shutil.rmtree(staging)"),
