@@ -829,7 +829,8 @@ def ps_async_on_rank(bounds) -> None:
     batches = toy_batches(12, steps=ASYNC_STEPS, seed=3)
     x_all, y_all = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
     for bound in bounds:
-        what = f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness bound {bound}, worker 1 slow" + (", worker 2 pausing in iteration 3" if n > 2 else "")
+        what = (f"dp.parameter_server: rank {rank} of {n} ({n - 1} workers), staleness bound {bound}, worker 1 slow"
+                + (", worker 2 pausing in iteration 3" if n > 2 else ""))
         model = make_toy()
         with torch.no_grad():
             start = toy_loss(model, x_all, y_all).item()
