@@ -38,6 +38,8 @@ import zipfile
 from pathlib import Path
 
 from labkit.course import catalog, grading, judge, workspace
+from labkit.course.chapters import exercise_files as exercise_files_of
+from labkit.course.chapters import file_label
 from labkit.runtime import sandbox
 
 CONFIG = "autograder.json"
@@ -131,14 +133,26 @@ def _graded_tests(release: Path, chapters: list[str]) -> list[dict]:
 # ----------------------------------------------------------------------------- running
 
 
-def exercise_files(submission: Path) -> dict[str, Path]:
-    """Submitted exercise modules by name; ``labkit/<name>.py`` wins over a loose file."""
-    wanted = {f"{module}.py" for module in grading.CHAPTERS.values()}
-    found: dict[str, Path] = {}
-    for path in sorted(submission.rglob("*.py"), key=lambda p: (p.parent.name != "labkit", len(p.parts))):
-        if path.name in wanted and path.name not in found:
-            found[path.name] = path
-    return found
+def exercise_files(submission: Path, package: Path) -> dict[str, Path]:
+    """Submitted exercise files by their path below ``labkit/`` in the release ``package``:
+    ``pp.py``, or ``compress/topk.py`` for a file of a chapter package. A file counts where its
+    path ends with that one (``labkit/`` itself may be missing); a loose file of a chapter
+    package counts by its name alone when no other exercise file has that name. The deepest
+    match wins, then the one in a ``labkit`` folder."""
+    wanted = [f.relative_to(package) for m in grading.CHAPTERS.values() for f in exercise_files_of(package, m)]
+    names = [w.name for w in wanted]
+    loose = {w.name: w for w in wanted if len(w.parts) > 1 and names.count(w.name) == 1 and w.name != "__init__.py"}
+    found: dict[str, tuple] = {}
+    for path in submission.rglob("*.py"):
+        parts = path.relative_to(submission).parts
+        for rel in wanted:
+            exact = tuple(parts[-len(rel.parts):]) == rel.parts
+            if exact or loose.get(path.name) == rel:
+                rank = (exact, len(rel.parts) if exact else 0, "labkit" in parts[:-1], -len(parts))
+                key = rel.as_posix()
+                if key not in found or rank > found[key][0]:
+                    found[key] = (rank, path)
+    return {key: path for key, (_, path) in sorted(found.items())}
 
 
 def grade_submission(source: Path, submission: Path, results: Path) -> dict:
@@ -147,14 +161,16 @@ def grade_submission(source: Path, submission: Path, results: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="labkit-submission-") as tmp:
         tree = Path(tmp) / "course"
         shutil.copytree(source, tree, ignore=shutil.ignore_patterns("__pycache__"))
-        submitted = exercise_files(submission)
+        submitted = exercise_files(submission, tree / "labkit")
+        labels = {m: file_label(tree / "labkit", m) for m in grading.CHAPTERS.values()}
         if not submitted:
             return _write(results, dict(score=0.0, output=(
                 "No exercise files found in the submission: upload your labkit/*.py "
-                f"({', '.join(m + '.py' for m in config['chapters'])}).")))
+                f"({', '.join(labels[m] for m in config['chapters'])}).")))
         for name, path in submitted.items():
             shutil.copy(path, tree / "labkit" / name)
-        broken = judge.check_submission(tree / "labkit", [Path(n).stem for n in submitted])
+        broken = judge.check_submission(tree / "labkit", list(dict.fromkeys(n.split("/")[0].removesuffix(".py")
+                                                                          for n in submitted)))
         flagged = [f"policy: {v}" for vs in broken.values() for v in vs]
         env = dict(os.environ, **{grading.TIMEOUT_ENV: str(config["timeout"])})
         isolated = judge.isolation(Path(tmp))  # as root: the ranks run as another user
@@ -172,7 +188,7 @@ def grade_submission(source: Path, submission: Path, results: Path) -> dict:
     out["output"] = (f"Graded {', '.join(sorted(submitted))} on chapters {', '.join(config['chapters'])}: "
                      f"{out['score']:g}/{out['max_score']:g}.")
     if broken:
-        out["output"] = (f"Not graded: {', '.join(f'{m}.py' for m in broken)} "
+        out["output"] = (f"Not graded: {', '.join(labels[m] for m in broken)} "
                          f"{'break' if len(broken) > 1 else 'breaks'} the policy for exercise modules "
                          "(labkit/course/policy.py says what an exercise may use), so none of their tasks "
                          "earn points:\n" + "\n".join(f"  {v}" for vs in broken.values() for v in vs)

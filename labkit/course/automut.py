@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from labkit.course import grading, mutants, workspace
+from labkit.course.chapters import exercise_files
 
 MUTANTS_ENV = mutants.GENERATED_ENV   # a JSON list of mutants the grading plugin runs instead
 DROPPED_CALLS = {"detach", "clone", "contiguous"}
@@ -203,8 +204,9 @@ def _is_none(node) -> bool:
 class _Source:
     """The module's text as bytes per line (ast's columns count UTF-8 bytes)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, elsewhere: str = ""):
         self.text = text
+        self.elsewhere = elsewhere   # the chapter package's other files: a find must not occur there
         self.data = text.encode()
         self.starts = [0]
         for line in self.data.splitlines(keepends=True):
@@ -244,11 +246,12 @@ def _children(node):
             yield field, value, None
 
 
-def generate(text: str, module: str, tasks=None) -> list[AutoMutant]:
-    """Every mutant of the solution regions in ``text`` (the source of ``labkit/<module>.py``),
-    optionally only those of the named tasks, in the order of the file."""
+def generate(text: str, module: str, tasks=None, elsewhere: str = "") -> list[AutoMutant]:
+    """Every mutant of the solution regions in ``text`` (the source of ``labkit/<module>.py``,
+    or of one file of a chapter package, whose other files are ``elsewhere``), optionally only
+    those of the named tasks, in the order of the file."""
     tree = ast.parse(text)
-    src = _Source(text)
+    src = _Source(text, elsewhere)
     regions, begin = [], None   # (task, first line, last line), 1-based, between the markers
     for number, line in enumerate(text.splitlines(), 1):
         if match := workspace.BEGIN.match(line):
@@ -354,7 +357,7 @@ def _unique_chunk(src: _Source, start: int, end: int, new: str) -> tuple[str, st
     hi = min(i for i, s in enumerate(src.starts) if s >= end) if end < src.starts[-1] else len(src.starts) - 1
     while True:
         chunk = src.segment(src.starts[lo], src.starts[hi])
-        if src.text.count(chunk) == 1 or (lo == 0 and hi == len(src.starts) - 1):
+        if (src.text.count(chunk) == 1 and chunk not in src.elsewhere) or (lo == 0 and hi == len(src.starts) - 1):
             edited = src.segment(src.starts[lo], start) + new + src.segment(end, src.starts[hi])
             return chunk, edited
         lo, hi = max(lo - 1, 0), min(hi + 1, len(src.starts) - 1)
@@ -437,7 +440,9 @@ def collect(root: Path, names: list[str], sample: int | None = None, seed: int =
     modules, wanted = _selection(names, root)
     by_task: dict[str, list[AutoMutant]] = {}
     for module in modules:
-        for m in generate((root / "labkit" / f"{module}.py").read_text(), module, wanted or None):
+        texts = [path.read_text() for path in exercise_files(root / "labkit", module)]
+        for m in (m for i, text in enumerate(texts)
+                  for m in generate(text, module, wanted or None, "\0".join(texts[:i] + texts[i + 1:]))):
             if not ids or m.id in ids:
                 by_task.setdefault(m.task, []).append(m)
     unknown = set(ids) - {m.id for ms in by_task.values() for m in ms}

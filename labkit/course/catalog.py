@@ -15,6 +15,7 @@ from pathlib import Path
 
 from labkit.course import workspace
 from labkit.course.chapters import CHAPTERS  # noqa: F401 - number -> module, re-exported
+from labkit.course.chapters import exercise_files, relative_path
 
 
 
@@ -35,24 +36,26 @@ def tasks(root: Path) -> list[TaskInfo]:
     points = static_points(root)
     found: list[TaskInfo] = []
     for chapter, module in CHAPTERS.items():
-        path = pkg / f"{module}.py"
         seen: dict[str, TaskInfo] = {}
-        if path.exists():
+        files = exercise_files(pkg, module)
+        for path in files:
             places: dict[str, int] = {}
             for region, status in [(r, "solution") for r in workspace.find_regions(path)] + \
                                   [(r, "stub") for r in workspace.find_stubs(path)]:
                 places[region.task] = places.get(region.task, 0) + 1
                 if region.task not in seen:
-                    seen[region.task] = TaskInfo(region.task, chapter, f"labkit/{module}.py:{region.begin + 1}",
+                    seen[region.task] = TaskInfo(region.task, chapter, f"{relative_path(pkg, path)}:{region.begin + 1}",
                                                  region.hint, points.get(region.task), status)
             for task, count in places.items():  # a task of several regions: say how many more
                 if count > 1:
                     seen[task].hint += f"  (+{count - 1} more in this file)"
         # A task whose stub is gone (written, or the module replaced whole) is still listed.
+        where = relative_path(pkg, files[0].parent) + "/" if len(files) > 1 else f"labkit/{module}.py"
         for task, hint in listed.items():
             if task.split(".")[0] == module and task not in seen:
-                seen[task] = TaskInfo(task, chapter, f"labkit/{module}.py", hint, points.get(task), "written")
-        found.extend(sorted(seen.values(), key=lambda t: _line(t.where)))
+                seen[task] = TaskInfo(task, chapter, where, hint, points.get(task), "written")
+        order = {relative_path(pkg, p): i for i, p in enumerate(files)}   # a package's files in order, then lines
+        found.extend(sorted(seen.values(), key=lambda t: (order.get(t.where.rsplit(":", 1)[0], len(files)), _line(t.where))))
     return found
 
 
@@ -150,7 +153,7 @@ def lab_uses(root: Path, lab: Path, index: "_Index | None" = None) -> list[str]:
     seen: set[tuple[str, str]] = set()
     todo = list(index.references(tree, _imports(tree, ""), ""))
     while todo:
-        node = todo.pop()
+        node = index.defined(todo.pop())
         if node in seen or not index.has(node):
             continue
         seen.add(node)
@@ -282,6 +285,18 @@ class _Index:
                 self.defs[key] = node
                 self.tasks[key] = {r.task for r in regions if node.lineno - 1 <= r.begin <= node.end_lineno - 1}
         return True
+
+    def defined(self, key: tuple[str, str]) -> tuple[str, str]:
+        """Where a name is defined: through re-exports (a chapter package's ``__init__``
+        imports its files' functions), up to a few hops."""
+        for _ in range(8):
+            if self.has(key) or key[0] not in self.bound:
+                return key
+            source, attr = self.bound[key[0]].get(key[1], (None, None))
+            if source is None or attr is None:
+                return key
+            key = (source, attr)
+        return key
 
     def edges(self, key: tuple[str, str]) -> set[tuple[str, str]]:
         module = key[0]

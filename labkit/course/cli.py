@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from labkit.course import grading, workspace
+from labkit.course.chapters import file_label
 
 REEXEC_ENV = "LABKIT_CLI_TREE"  # set when the command re-ran itself on another tree
 
@@ -57,7 +58,8 @@ def cmd_grade(args, root: Path) -> int:
         from labkit.course import judge
         broken = judge.check_submission(root / "labkit", chapters or None)
         for module, found in broken.items():
-            print(f"POLICY {module}.py: none of its tasks earn points:\n" + "\n".join(f"  {v}" for v in found))
+            print(f"POLICY {file_label(root / 'labkit', module)}: none of its tasks earn points:\n"
+                  + "\n".join(f"  {v}" for v in found))
     records, output = grading.run_tests(files, root, extra, tasks, verbose=args.verbose, judge=args.judge)
     if not records and output:  # nothing graded: say why (an import error, a broken environment)
         print("\nno graded test ran; pytest said:\n" + "\n".join(output.rstrip().splitlines()[-25:]))

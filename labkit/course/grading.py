@@ -39,6 +39,7 @@ import pytest
 
 from labkit.course import workspace
 from labkit.course.chapters import CHAPTERS, chapter_module, chapter_names  # noqa: F401 - CHAPTERS re-exported
+from labkit.course.chapters import exercise_files, exercise_sources
 
 HIDDEN_DIR = "hidden"  # tests/grading/hidden/: graded, left out of learner workspaces
 OUTPUT_LIMIT = 4000    # characters of failure text kept per test in results.json
@@ -265,16 +266,16 @@ def labkit_exercise(request):
     from labkit.course import policy
     root = Path(str(request.config.rootpath))
     if mutant is None:
-        module = root / "labkit" / f"{marker.args[0].split('.')[0]}.py"
-        if module.exists():
-            policy.check_task(marker.args[0], module.read_text())
+        sources = exercise_sources(root / "labkit", marker.args[0].split('.')[0])
+        if sources:
+            policy.check_task(marker.args[0], sources)
         yield None
         return
     from labkit.course import mutants
     fates = request.config._labkit_fates
     if fates.get(mutant.id, {}).get("killed"):
         pytest.skip(f"mutant {mutant.id} killed already")
-    policy.check_task(marker.args[0], mutant.source(root))
+    policy.check_task(marker.args[0], mutant.sources(root))
     path = mutants.write_source(mutant, root)
     overrides = {mutant.module: str(path)}
     saved = mutants.install_overrides(overrides)
@@ -539,9 +540,8 @@ def task_order(task_id: str) -> tuple:
 
 
 def _order_in_module(module: str) -> dict[str, int]:
-    path = workspace.package_dir() / f"{module}.py"
     order: dict[str, int] = {}
-    if path.exists():
+    for path in exercise_files(workspace.package_dir(), module):
         for region in workspace.find_regions(path) or workspace.find_stubs(path):
             order.setdefault(region.task, len(order))
     return order

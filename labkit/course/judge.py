@@ -41,14 +41,15 @@ STUDENT_USER = "labkit-student"  # created by the autograder when it runs as roo
 
 
 def check_submission(package: Path, modules=None) -> dict[str, list[policy.Violation]]:
-    """Policy violations of every exercise module in ``package`` (or only ``modules``), by module."""
-    sources = {m: (package / f"{m}.py").read_text() for m in CHAPTERS.values() if (package / f"{m}.py").exists()}
+    """Policy violations of every exercise module in ``package`` (or only ``modules``), by
+    chapter module (a chapter package's files all count for it)."""
+    sources = policy.all_sources(package)
     found = {}
-    for module in modules or sources:
-        if module in sources:
-            broken = policy.violations(module, sources[module], sources=sources)
-            if broken:
-                found[module] = broken
+    for module in modules or CHAPTERS.values():
+        broken = [v for name, text in sources.items() if name.split(".")[0] == module
+                  for v in policy.violations(name, text, sources=sources)]
+        if broken:
+            found[module] = broken
     return found
 
 

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.course.chapters import CHAPTERS
-from labkit.runtime.worker import OVERRIDES_ENV  # {module: source file}, read by every rank
+from labkit.course.chapters import CHAPTERS, dotted_name, exercise_files, exercise_sources, relative_path
+from labkit.runtime.worker import OVERRIDES_ENV  # noqa: F401 - {module: source file}, read by every rank
 
 GENERATED_ENV = "LABKIT_MUTANTS_FILE"   # a JSON list of mutants the grading plugin runs instead (labkit mutate's)
 
@@ -52,16 +53,31 @@ class Mutant:
     def id(self) -> str:
         return f"{self.task}/{self.name}"
 
+    def locate(self, root: Path) -> Path:
+        """The exercise file whose text holds ``find``; refuses a ``find`` that is missing or
+        ambiguous across the module's files (a chapter package has several)."""
+        package = root / "labkit"
+        files = exercise_files(package, self.module)
+        counts = {path: path.read_text().count(self.find) for path in files}
+        if sum(counts.values()) != 1:
+            where = relative_path(package, files[0]) if len(files) == 1 else f"labkit/{self.module}/"
+            raise StaleMutant(f"mutant {self.id}: its 'find' text occurs {sum(counts.values())} times in "
+                              f"{where} (must be exactly once); update the mutant")
+        return next(path for path, count in counts.items() if count)
+
     def source(self, root: Path) -> str:
-        """The mutated module's text; refuses a ``find`` that is missing or ambiguous."""
-        original = (root / "labkit" / f"{self.module}.py").read_text()
-        count = original.count(self.find)
-        if count != 1:
-            raise StaleMutant(f"mutant {self.id}: its 'find' text occurs {count} times in "
-                             f"labkit/{self.module}.py (must be exactly once); update the mutant")
-        mutated = original.replace(self.find, self.replace)
-        compile(mutated, f"labkit/{self.module}.py", "exec")
+        """The mutated file's text (the file ``locate`` finds)."""
+        path = self.locate(root)
+        mutated = path.read_text().replace(self.find, self.replace)
+        compile(mutated, relative_path(root / "labkit", path), "exec")
         return mutated
+
+    def sources(self, root: Path) -> dict[str, str]:
+        """``{dotted name: source}`` of the whole exercise module, this mutant's file mutated."""
+        package = root / "labkit"
+        found = exercise_sources(package, self.module)
+        found[dotted_name(package, self.locate(root))] = self.source(root)
+        return found
 
 
 def load(root: Path, modules=None) -> list[Mutant]:
@@ -91,15 +107,22 @@ def load_file(path: str) -> list[Mutant]:
 
 
 def write_source(mutant: Mutant, root: Path) -> Path:
-    """The mutated module on disk (ranks import it from there), named by its content."""
-    source = mutant.source(root)
-    digest = hashlib.sha1(source.encode()).hexdigest()[:12]
-    folder = Path(tempfile.gettempdir()) / "labkit-mutants" / digest
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{mutant.module}.py"
-    if not path.exists():
-        path.write_text(source)
-    return path
+    """The mutated module on disk (ranks import it from there), in a folder named by its
+    content: ``<module>.py``, or for a chapter package the package's folder with this
+    mutant's file mutated, given as its ``__init__.py``."""
+    package = root / "labkit"
+    sources = mutant.sources(root)
+    text = "\n".join(f"{name}\n{source}" for name, source in sorted(sources.items()))
+    folder = Path(tempfile.gettempdir()) / "labkit-mutants" / hashlib.sha1(text.encode()).hexdigest()[:12]
+    files = {folder / p.relative_to(package): sources[dotted_name(package, p)]
+             for p in exercise_files(package, mutant.module)}
+    for path, source in files.items():
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")   # whole or absent: ranks of other runs may read it
+            tmp.write_text(source)
+            os.replace(tmp, path)
+    return next(iter(files)) if len(files) == 1 else folder / mutant.module / "__init__.py"
 
 
 # ----------------------------------------------------------------------------- the last run's record
@@ -155,20 +178,30 @@ def install_overrides(overrides: dict[str, str]) -> dict[str, object]:
     module is dropped from ``sys.modules`` first, so modules that import the swapped one
     see the mutant. (Ranks do the same from ``LABKIT_MODULE_OVERRIDES`` as they start.)"""
     from labkit.runtime.worker import import_overrides
-    saved = {f"labkit.{m}": sys.modules.pop(f"labkit.{m}", None) for m in CHAPTERS.values()}
+    packaged = [name for name in sys.modules if _packaged(name)]
+    saved = {name: sys.modules.pop(name, None) for name in [f"labkit.{m}" for m in CHAPTERS.values()] + packaged}
     import_overrides(overrides)
     return saved
 
 
 def restore(saved: dict[str, object]) -> None:
     import labkit
+    for name in [n for n in sys.modules if _packaged(n) and n not in saved]:
+        del sys.modules[name]   # a mutant package's files: the next import reads the course's again
     for name, mod in saved.items():
         if mod is None:
             sys.modules.pop(name, None)
         else:
             sys.modules[name] = mod
         short = name.split(".", 1)[1]
+        if "." in short:
+            continue   # a chapter package's file: its package (restored too) holds it
         if mod is None and short in vars(labkit):
             delattr(labkit, short)
         elif mod is not None:
             setattr(labkit, short, mod)
+
+
+def _packaged(name: str) -> bool:
+    """``labkit.compress.powersgd``: a file of a chapter that is a package."""
+    return name.count(".") == 2 and name.startswith("labkit.") and name.split(".")[1] in CHAPTERS.values()

@@ -128,10 +128,23 @@ class Violation:
 
 
 def allowed_imports(module: str) -> tuple[str, ...]:
-    """Every import root ``module``'s chapter may use (a name equal to one or below it)."""
+    """Every import root ``module``'s chapter may use (a name equal to one or below it): the
+    earlier chapters, and its own (a chapter package's files import one another)."""
+    chapter = module.split(".")[0]
     order = list(CHAPTERS.values())
-    earlier = tuple(f"labkit.{m}" for m in order[:order.index(module)]) if module in order else ()
-    return STDLIB + TOOLS + earlier + ("torch",) + EXTRA_IMPORTS.get(module, ())
+    earlier = tuple(f"labkit.{m}" for m in order[:order.index(chapter)]) if chapter in order else ()
+    own = (f"labkit.{chapter}",)
+    return STDLIB + TOOLS + earlier + own + ("torch",) + EXTRA_IMPORTS.get(chapter, ())
+
+
+def module_filename(name: str, sources: dict[str, str] | None = None) -> str:
+    """``labkit/pp.py``, ``labkit/compress/powersgd.py``, or ``labkit/compress/__init__.py``
+    for a chapter package (one with files among ``sources``)."""
+    if "." in name:
+        return "labkit/" + name.replace(".", "/") + ".py"
+    if any(k.startswith(name + ".") for k in sources or {}):
+        return f"labkit/{name}/__init__.py"
+    return f"labkit/{name}.py"
 
 
 # ----------------------------------------------------------------------------- the check
@@ -139,9 +152,10 @@ def allowed_imports(module: str) -> tuple[str, ...]:
 
 def violations(module: str, source: str, filename: str = "", sources: dict[str, str] | None = None) -> list[Violation]:
     """Every breach of the policy in ``source``, the exercise module ``module`` (its chapter's
-    allow-list), sorted by line. ``sources``: other exercise modules' sources by name (to resolve
-    ``labkit.tp.torch`` and the like through what those modules import)."""
-    filename = filename or f"labkit/{module}.py"
+    allow-list; ``compress.powersgd`` names a file of a chapter package), sorted by line.
+    ``sources``: other exercise modules' sources by dotted name (to resolve ``labkit.tp.torch``
+    and the like through what those modules import)."""
+    filename = filename or module_filename(module, sources)
     try:
         tree = ast.parse(source)
     except SyntaxError as error:
@@ -154,27 +168,46 @@ def _cached(module: str, source: str, filename: str, sources: tuple) -> tuple:
     return tuple(violations(module, source, filename, dict(sources)))
 
 
-def check_tree(module: str, source: str, package) -> list[Violation]:
-    """Violations of ``module`` (its ``source``) and of every exercise module it imports,
-    directly or not, read from ``package`` (the ``labkit`` folder of the tree being graded)."""
-    from pathlib import Path
-    sources = {m: (Path(package) / f"{m}.py").read_text() for m in CHAPTERS.values()
-               if (Path(package) / f"{m}.py").exists()}
-    sources[module] = source
-    found, todo, seen = [], [module], set()
+def check_tree(module: str, source, package) -> list[Violation]:
+    """Violations of chapter module ``module`` (``source``: its text, or ``{dotted name: text}``
+    of a chapter package's files) and of every exercise module it imports, directly or not,
+    read from ``package`` (the ``labkit`` folder of the tree being graded)."""
+    sources = all_sources(package)
+    own = {module: source} if isinstance(source, str) else dict(source)
+    sources = {k: v for k, v in sources.items() if k.split(".")[0] != module} | own
+    found, todo, seen = [], sorted(own), set()
+    key = tuple(sorted(sources.items()))
     while todo:
         name = todo.pop()
         if name in seen or name not in sources:
             continue
         seen.add(name)
-        found += _cached(name, sources[name], f"labkit/{name}.py", tuple(sorted(sources.items())))
-        todo += [m for m in _exercise_imports(sources[name])]
+        found += _cached(name, sources[name], module_filename(name, sources), key)
+        todo += _exercise_imports(sources[name], sources)
     return found
 
 
-def _exercise_imports(source: str) -> list[str]:
-    return [name.split(".")[1] for name in _source_aliases(source).values() if is_exercise(name)] + [
-        a.split(".")[1] for a in re.findall(r"^\s*import (labkit\.\w+)", source, re.M) if is_exercise(a)]
+def all_sources(package) -> dict[str, str]:
+    """``{dotted name: source}`` of every exercise file under ``package`` (a ``labkit`` folder)."""
+    from pathlib import Path
+
+    from labkit.course.chapters import exercise_sources
+    return {name: text for m in CHAPTERS.values() for name, text in exercise_sources(Path(package), m).items()}
+
+
+def exercise_module(name: str, sources) -> str:
+    """The exercise module a dotted name below ``labkit`` lives in: ``compress.powersgd`` for
+    ``labkit.compress.powersgd.after`` when that is a file of the package, else the chapter."""
+    parts = name.split(".")
+    for end in range(len(parts), 2, -1):
+        if ".".join(parts[1:end]) in sources:
+            return ".".join(parts[1:end])
+    return parts[1]
+
+
+def _exercise_imports(source: str, sources) -> list[str]:
+    names = [*_source_aliases(source).values(), *re.findall(r"^\s*import (labkit\.[\w.]+)", source, re.M)]
+    return [exercise_module(name, sources) for name in names if is_exercise(name)]
 
 
 def check(module: str, source: str, filename: str = "", sources: dict[str, str] | None = None) -> None:
@@ -195,11 +228,12 @@ def _under(name: str, roots) -> bool:
 class _Checker:
     def __init__(self, module: str, filename: str, sources: dict[str, str]):
         self.module, self.filename, self.sources = module, filename, sources
+        self.chapter = module.split(".")[0]   # a chapter package's file keeps its chapter's tables
         self.allowed = allowed_imports(module)
-        self.private_ok = PRIVATE_OK + EXTRA_PRIVATE.get(module, ())
-        self.patch_ok = EXTRA_PATCH.get(module, ())
-        self.os_ok = EXTRA_OS.get(module, ())
-        self.files = module in FILE_CHAPTERS
+        self.private_ok = PRIVATE_OK + EXTRA_PRIVATE.get(self.chapter, ())
+        self.patch_ok = EXTRA_PATCH.get(self.chapter, ())
+        self.os_ok = EXTRA_OS.get(self.chapter, ())
+        self.files = self.chapter in FILE_CHAPTERS
         self.found: list[Violation] = []
         self.aliases: dict[str, str] = {}
 
@@ -281,7 +315,7 @@ class _Checker:
     def check_import(self, node, name: str) -> None:
         if not _under(name, self.allowed):
             roots = dict.fromkeys(r.split(".")[0] if not r.startswith("labkit") else r for r in self.allowed)
-            self.flag(node, f"imports {name}, which chapter {self.module} may not use (allowed: "
+            self.flag(node, f"imports {name}, which chapter {self.chapter} may not use (allowed: "
                             f"{', '.join(r for r in roots if r != '__future__')})")
             return
         self.check_name(node, self.canonical(name))
@@ -305,7 +339,7 @@ class _Checker:
 
     def check_name(self, node, name: str) -> None:
         from labkit.course import rules
-        if rules.forbidden_uses(self.module, f"import {name}") and not name.startswith("labkit."):
+        if rules.forbidden_uses(self.chapter, f"import {name}") and not name.startswith("labkit."):
             self.flag(node, f"uses {name}, PyTorch's own implementation of what the chapter builds")
             return
         if _under(name, self.private_ok):
@@ -325,7 +359,7 @@ class _Checker:
 
     def visit_name(self, node: ast.Name) -> None:
         parent = self.parents.get(node)
-        if node.id in GIVEN_ONLY.get(self.module, ()) and isinstance(node.ctx, ast.Load):
+        if node.id in GIVEN_ONLY.get(self.chapter, ()) and isinstance(node.ctx, ast.Load):
             self.flag(node, f"calls the given {node.id}, which solves a graded task: write the task's own code")
         elif node.id in NAMES_BANNED:
             self.flag(node, f"uses {node.id}")
@@ -369,7 +403,8 @@ class _Checker:
         if (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Name) and parent.func.id in CALL_ONLY
                 and parent.args and parent.args[0] is node):
             return  # getattr(torch, "float32"): checked as torch.float32
-        if isinstance(_lookup(name), types.ModuleType) or is_exercise(name) and len(name.split(".")) == 2:
+        if isinstance(_lookup(name), types.ModuleType) or is_exercise(name) and (
+                len(name.split(".")) == 2 or name.split(".", 1)[1] in self.sources):
             self.flag(node, f"uses the module {name} as a value (reach its functions as {name.split('.')[-1]}.f)")
 
     def check_attribute_name(self, node, attr: str, on_local: bool, how: str) -> None:
@@ -547,9 +582,12 @@ def _canonical(name: str, sources: tuple = ()) -> str:
     through an exercise module, by what that module imports (its source in ``sources``)."""
     parts = name.split(".")
     if is_exercise(name) and len(parts) > 2:
-        imported = _source_aliases(dict(sources).get(parts[1], ""))
-        if parts[2] in imported:
-            return _canonical(".".join([imported[parts[2]], *parts[3:]]), sources)
+        known = dict(sources)
+        module = exercise_module(name, known)
+        rest = parts[1 + len(module.split(".")):]
+        imported = _source_aliases(known.get(module, ""))
+        if rest and rest[0] in imported:
+            return _canonical(".".join([imported[rest[0]], *rest[1:]]), sources)
         return name
     if parts[0] not in ("torch", "numpy", "labkit", *STDLIB, *FILES):
         return name
@@ -581,13 +619,16 @@ def _source_aliases(source: str) -> dict[str, str]:
     return found
 
 
-def check_task(task_id: str, source: str) -> None:
+def check_task(task_id: str, source) -> None:
     """What every graded test runs first: no PyTorch implementation of the technique in the
     task's module (``rules.check``), then every breach of this policy in it or in an exercise
-    module it imports: a module that breaks the policy earns none of its tasks' points."""
+    module it imports: a module that breaks the policy earns none of its tasks' points.
+    ``source``: the module's text, or ``{dotted name: text}`` of a chapter package's files."""
     from labkit.course import rules, workspace
-    rules.check(task_id, source)
     module = task_id.split(".")[0]
+    files = {module: source} if isinstance(source, str) else source
+    for name, text in files.items():
+        rules.check(task_id, text, module_filename(name, files))
     broken = check_tree(module, source, workspace.package_dir())
     if broken:
         raise AssertionError(f"{task_id}: not graded: {POLICY_BROKEN} " + "; ".join(map(str, broken)))

@@ -87,15 +87,17 @@ def forbidden_uses(module: str, source: str, filename: str = "") -> list[str]:
     return sorted(set(found), key=lambda s: int(s.split(":")[1]))
 
 
-def check(task_id: str, source: str) -> None:
+def check(task_id: str, source: str, filename: str = "") -> None:
     """Raise AssertionError naming every forbidden name the task's module uses (the policy's
-    checks come on top: ``labkit.course.policy.check_task``, which every graded test runs)."""
+    checks come on top: ``labkit.course.policy.check_task``, which every graded test runs).
+    ``filename``: the file ``source`` is, when the chapter is a package of several."""
     module = task_id.split(".")[0]
-    uses = forbidden_uses(module, source)
+    filename = filename or f"labkit/{module}.py"
+    uses = forbidden_uses(module, source, filename)
     if uses:
         why = FORBIDDEN[module][1]
         raise AssertionError(
-            f"{task_id}: labkit/{module}.py uses PyTorch's own implementation of what it is asked to "
+            f"{task_id}: {filename} uses PyTorch's own implementation of what it is asked to "
             f"build ({why}): " + "; ".join(uses) + ". Build it from the chapter's parts instead.")
 
 

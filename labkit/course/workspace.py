@@ -1,6 +1,6 @@
 """Solution regions, the task registry, and the learner workspace made from them.
 
-An exercise body in ``labkit/*.py`` sits between a line ``# BEGIN SOLUTION <task>: <hint>``
+An exercise body in ``labkit/*.py`` (or a chapter package's ``labkit/<module>/*.py``) sits between a line ``# BEGIN SOLUTION <task>: <hint>``
 (the task id, such as ``ddp.bucketed``, and a one-line hint for the learner) and a line
 ``# END SOLUTION``. ``make_workspace`` copies the course and replaces every region with
 ``raise NotImplementedError("<task>: <hint>")`` at the same indentation;
@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.course.chapters import CHAPTERS, exercise_files
 from labkit.trees import find_course_root, is_course_root, package_dir  # noqa: F401 - re-exported
 
 TASK_ID = r"[a-z0-9_]+\.[a-z0-9_]+"   # chapter.task, such as ddp.bucketed
@@ -108,13 +109,20 @@ def find_stubs(path: Path) -> list[Region]:
     return found
 
 
+def code_files(pkg: Path) -> list[Path]:
+    """The files that may hold exercises: labkit's own modules, and the files of every chapter
+    that is a package (``labkit/compress/*.py``); not the course's tools below ``labkit/``."""
+    packaged = [f for m in CHAPTERS.values() if (pkg / m).is_dir() for f in exercise_files(pkg, m)]
+    return sorted(pkg.glob("*.py")) + packaged
+
+
 def exercises(pkg: Path) -> list[Region]:
     """Every exercise of the package, reference or workspace: solution regions, or stubs."""
-    return all_regions(pkg) or [r for path in sorted(pkg.glob("*.py")) for r in find_stubs(path)]
+    return all_regions(pkg) or [r for path in code_files(pkg) for r in find_stubs(path)]
 
 
 def all_regions(pkg: Path | None = None) -> list[Region]:
-    return [r for path in sorted((pkg or package_dir()).glob("*.py")) for r in find_regions(path)]
+    return [r for path in code_files(pkg or package_dir()) for r in find_regions(path)]
 
 
 def tasks(pkg: Path | None = None) -> dict[str, str]:
@@ -190,7 +198,7 @@ def make_workspace(dest: Path, root: Path | None = None, force: bool = False) ->
             shutil.copy2(src, dest / name)
     regions = all_regions(root / "labkit")
     for path in sorted({r.path for r in regions}):
-        (dest / "labkit" / path.name).write_text(stub_source(path))
+        (dest / path.relative_to(root)).write_text(stub_source(path))
     for notebook in (dest / "labs").glob("*.ipynb"):
         clear_outputs(notebook)  # the lab's results come from the learner's own code
     (dest / TORCH_FILE).write_text(torch_requirement(installed_torch()))

@@ -71,9 +71,8 @@ def install(spec: dict) -> None:
     _spec = spec
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
-    for name in spec["modules"]:
-        module = sys.modules.get(f"labkit.{name}")
-        if module is not None:
+    for name, module in sorted(sys.modules.items(), key=lambda item: -item[0].count(".")):  # files before packages
+        if name.startswith("labkit.") and name.count(".") in (1, 2) and name.split(".")[1] in spec["modules"]:
             wrap_module(module)
 
 
@@ -85,7 +84,8 @@ class _Finder(importlib.abc.MetaPathFinder):
     """Lets the normal finders find an exercise module, then wraps it once it has run."""
 
     def find_spec(self, fullname, path, target=None):
-        if _spec is None or not fullname.startswith("labkit.") or fullname.count(".") != 1 \
+        # An exercise module, or a file of a chapter package (labkit.compress.powersgd).
+        if _spec is None or not fullname.startswith("labkit.") or fullname.count(".") not in (1, 2) \
                 or fullname.split(".")[1] not in _spec["modules"]:
             return None
         for finder in sys.meta_path:
@@ -121,7 +121,13 @@ def wrap_module(module) -> None:
     ``module`` (not names it imported from elsewhere). Idempotent."""
     if getattr(module, "__labkit_contracts__", False) or _spec is None:
         return
-    short = module.__name__.split(".", 1)[1]
+    if hasattr(module, "__path__"):   # a chapter package: what it re-exports from its files, wrapped there
+        for name, value in list(vars(module).items()):
+            home = sys.modules.get(getattr(value, "__module__", None) or "")
+            if inspect.isfunction(value) and home is not None and home.__name__.startswith(module.__name__ + "."):
+                wrap_module(home)
+                setattr(module, name, getattr(home, name, value))
+    short = module.__name__.split(".")[1]   # the chapter: compress.powersgd_hook, from labkit/compress/powersgd.py too
     for name, value in list(vars(module).items()):
         if name.startswith("_") or getattr(value, "__module__", None) != module.__name__:
             continue

@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import cloudpickle
 import torch
@@ -149,7 +150,11 @@ def import_overrides(overrides: dict[str, str]) -> None:
 
     package = sys.modules["labkit"]  # loaded already: this module lives in it
     for name, path in overrides.items():
-        spec = importlib.util.spec_from_file_location(f"labkit.{name}", path)
+        for stale in [m for m in sys.modules if m.startswith(f"labkit.{name}.")]:
+            del sys.modules[stale]   # a chapter package's files come from the override's folder
+        # A chapter package (labkit/compress/) comes as its __init__.py: its files are found beside it.
+        search = [str(Path(path).parent)] if Path(path).name == "__init__.py" else None
+        spec = importlib.util.spec_from_file_location(f"labkit.{name}", path, submodule_search_locations=search)
         module = importlib.util.module_from_spec(spec)
         sys.modules[f"labkit.{name}"] = module
         spec.loader.exec_module(module)
