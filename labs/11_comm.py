@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 2 labs/11_comm.py
     python labs/11_comm.py --world-size 4        # labkit.launch starts the ranks
 
-On every rank (``labkit/compress.py``), a small MLP under ``torch.nn.parallel.DistributedDataParallel``:
+On every rank (``labkit/compress/``), a small MLP under ``torch.nn.parallel.DistributedDataParallel``:
 
 * your fp16 hook against torch's ``fp16_compress_hook``: parameters after 5 SGD steps, bit for bit;
 * your PowerSGD hook against torch's ``powerSGD_hook`` (rank 2, 2 warm-up steps, one bucket, float64);

@@ -162,3 +162,19 @@ if [[ "$*" == *"install"*"python3.11"* ]]; then /bin/ln -sf {new} {bin_dir}/pyth
     assert log.exists() == installs, log.read_text() if log.exists() else "apt-get not called"
     if installs:
         assert "install -y python3.11 python3.11-venv" in log.read_text()
+
+
+def test_submitted_files_are_found_by_their_path_below_labkit(tmp_path):
+    """A chapter package's files count at their path (``compress/topk.py``, with or without
+    ``labkit/`` above), or loose by a name no other exercise file has; ``__init__.py`` only
+    in its folder. A one-file chapter counts by its name, wherever it is."""
+    from labkit.course.autograder import exercise_files
+    package = ROOT / "labkit"
+    upload = tmp_path / "upload"
+    for rel in ("labkit/compress/powersgd.py", "my/compress/topk.py", "fp16.py", "__init__.py",
+                "deep/pp.py", "labkit/dp.py", "dp.py", "notes/readme.py"):
+        (upload / rel).parent.mkdir(parents=True, exist_ok=True)
+        (upload / rel).write_text("# " + rel)
+    found = {key: path.relative_to(upload).as_posix() for key, path in exercise_files(upload, package).items()}
+    assert found == {"compress/powersgd.py": "labkit/compress/powersgd.py", "compress/topk.py": "my/compress/topk.py",
+                     "compress/fp16.py": "fp16.py", "pp.py": "deep/pp.py", "dp.py": "labkit/dp.py"}

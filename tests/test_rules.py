@@ -60,6 +60,22 @@ def test_a_mutant_must_match_its_module_exactly_once(tmp_path):
         mutants.Mutant("demo.task", "broken", "why", find="x = 1", replace="x = (").source(tmp_path)
 
 
+
+def test_a_chapter_packages_mutant_must_match_one_of_its_files_once(tmp_path):
+    """In a chapter package the find text must occur once across all its files: the mutant's
+    file is the one holding it, and the package travels whole with that file mutated."""
+    package = tmp_path / "labkit" / "demo"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from labkit.demo.a import f\nfrom labkit.demo.b import g\n")
+    (package / "a.py").write_text("def f():\n    n = 1\n    return n\n")
+    (package / "b.py").write_text("def g():\n    n = 1\n    return -n\n")
+    ok = mutants.Mutant("demo.task", "neg", "why", find="return -n", replace="return n")
+    assert ok.locate(tmp_path) == package / "b.py" and ok.source(tmp_path).endswith("return n\n")
+    assert ok.sources(tmp_path)["demo.b"] == ok.source(tmp_path) and set(ok.sources(tmp_path)) == {"demo", "demo.a", "demo.b"}
+    with pytest.raises(ValueError, match="occurs 2 times in labkit/demo/"):
+        mutants.Mutant("demo.task", "both", "why", find="n = 1", replace="n = 2").locate(tmp_path)
+
+
 def test_a_stale_mutant_is_never_counted_as_killed():
     """A mutant whose find text is gone errors in every test's set-up; that error mutates
     nothing, so the plugin must not count it as a kill (it then shows as a survivor)."""

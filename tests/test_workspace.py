@@ -44,7 +44,7 @@ def test_the_workspace_stubs_every_solution_and_keeps_the_rest(student):
     regions = workspace.all_regions(ROOT / "labkit")
     assert regions
     for region in regions:
-        text = (student / "labkit" / region.path.name).read_text()
+        text = (student / region.path.relative_to(ROOT)).read_text()   # labkit/compress/topk.py too
         assert "BEGIN SOLUTION" not in text
         assert f"raise NotImplementedError({f'{region.task}: {region.hint}'!r})" in text
     for folder in ("chapters", "tests"):

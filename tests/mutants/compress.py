@@ -351,7 +351,7 @@ MUTANTS += [
     Mutant("compress.local_sgd", "sum_not_mean", "never divides the summed deltas by N",
            find="start.grad = delta.div_(n)", replace="start.grad = delta"),
     Mutant("compress.local_sgd", "divides_by_the_world", "all-reduces over the group but divides by the world's size",
-           find="n = dist.get_world_size(self.group)", replace="n = dist.get_world_size(None)"),
+           find="n = dist.get_world_size(self.group)\n        deltas", replace="n = dist.get_world_size(None)\n        deltas"),
     Mutant("compress.local_sgd", "start_not_kept", "never copies the new start into the model: the ranks go on from "
            "their local parameters",
            find="            param.copy_(start)\n", replace="            pass\n"),
