@@ -1,4 +1,4 @@
-"""Lab 14 as a script: your model of a training step (labkit/perf.py) against PyTorch's FLOP counter, this CPU and published runs, on N ranks.
+"""Lab 14 as a script: your model of a training step (labkit/perf/) against PyTorch's FLOP counter, this CPU and published runs, on N ranks.
 
     torchrun --standalone --nproc-per-node 2 labs/14_scale.py
     python labs/14_scale.py --world-size 2        # labkit.launch starts the ranks

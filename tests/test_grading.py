@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from labkit.course import grading, workspace
+from labkit.course.chapters import exercise_files
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -271,17 +272,18 @@ def test_every_not_implemented_line_says_where_the_stub_is(tmp_path):
     # frame, and before this the line said only "NOT IMPLEMENTED perf.flops: 3 test(s)".
     from labkit.course import catalog, cli, workspace
     ws = tmp_path / "ws"
-    (ws / "labkit").mkdir(parents=True)
-    (ws / "labkit" / "perf.py").write_text(workspace.stub_source(ROOT / "labkit" / "perf.py"))
+    for path in exercise_files(ROOT / "labkit", "perf"):   # the chapter package's files, stubbed
+        (ws / path.relative_to(ROOT)).parent.mkdir(parents=True, exist_ok=True)
+        (ws / path.relative_to(ROOT)).write_text(workspace.stub_source(path))
     (ws / workspace.MARKER_FILE).write_text("perf.flops\thint\n")
     where = next(t.where for t in catalog.tasks(ws) if t.task == "perf.flops")
-    assert where.startswith("labkit/perf.py:"), where
+    assert where.startswith("labkit/perf/flops.py:"), where
     record = dict(task="perf.flops", name="tests/grading/test_perf.py::test_flops", outcome="failed",
                   output="perf.flops: NotImplementedError: perf.flops: hint", details="", frame="")
     report = cli.with_stub_places(grading.failure_report([record]), ws)
     assert report == f"NOT IMPLEMENTED perf.flops: 1 test(s) · {where}", report
-    with_frame = dict(record, frame="labkit/perf.py:1 in flops_per_token")
-    assert cli.with_stub_places(grading.failure_report([with_frame]), ws).endswith("· labkit/perf.py:1 in flops_per_token")
+    with_frame = dict(record, frame="labkit/perf/flops.py:1 in flops_per_token")
+    assert cli.with_stub_places(grading.failure_report([with_frame]), ws).endswith("· labkit/perf/flops.py:1 in flops_per_token")
 
 
 def test_results_json_says_each_failure_once():
