@@ -116,3 +116,24 @@ def test_a_name_the_policy_allows_only_in_some_chapters():
     assert policy.violations("collectives", "import numpy\n")
     assert policy.violations("sp", "from labkit.tp import ParallelMLP\n") == []
     assert policy.violations("tp", "from labkit.sp import ring_attention\n"), "a later chapter's module"
+
+
+def test_a_chapter_packages_files_are_checked_through_one_another():
+    """A file of a chapter package reaches its siblings, never around the policy: a forbidden
+    name re-exported by one file is refused where another uses it, a sibling's private name
+    is refused, and each violation names its own file."""
+    honest = sources()
+    forbidden = "from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as hidden\n"
+    via_sibling = dict(honest, **{"compress.topk": honest["compress.topk"] + "\nfrom labkit.compress.fp16 import hidden\nhidden.fp16_compress_hook\n",
+                                  "compress.fp16": honest["compress.fp16"] + "\n" + forbidden})
+    found = policy.check_tree("compress", {k: v for k, v in via_sibling.items() if k.startswith("compress")},
+                              ROOT / "labkit")
+    files = {v.file for v in found}
+    assert "labkit/compress/fp16.py" in files and "labkit/compress/topk.py" in files, [str(v) for v in found]
+    assert any("PyTorch's own" in v.what for v in found if v.file == "labkit/compress/topk.py"), [str(v) for v in found]
+    private = policy.violations("compress.topk", "from labkit.compress.powersgd import _helper\n", sources=honest)
+    assert private and "private" in private[0].what and private[0].file == "labkit/compress/topk.py"
+    assert policy.violations("compress.topk", "from labkit.compress import fp16\nx = fp16\n", sources=honest), \
+        "a sibling file held as a value"
+    assert policy.violations("compress.topk", "from labkit.compress.powersgd import powersgd_hook\n",
+                             sources=honest) == []
