@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.runtime import deadlock
+from tests.stamps import seconds_since_last, stamp
 
 # Seconds from the moment the last rank blocks to the report, for every real deadlock here.
 # Timed from the deadlock, not from the call: how long a loaded machine takes to start the
@@ -27,25 +28,21 @@ def warm_rank_server():
     labkit.launch(dist.get_rank, 1)  # the first launch starts the rank server: not timed here
 
 
-def blocking_now(stamps):
+def blocking_now(folder):
     """Called by a rank just before its last blocking call: the wall clock, for the test."""
-    with open(os.path.join(stamps, str(dist.get_rank())), "w") as f:
-        f.write(repr(time.time()))
+    stamp(folder, str(dist.get_rank()))
 
 
 def timed_launch(fn, world_size, tmp_path, **kwargs):
     """The launch's error (or results) and the seconds from the deadlock to the report: from
     the last rank's ``blocking_now`` to the launch's return."""
-    stamps = tmp_path / "stamps"
-    stamps.mkdir()
+    folder = tmp_path / "stamps"
+    folder.mkdir()
     try:
-        outcome = labkit.launch(fn, world_size, str(stamps), timeout=60, **kwargs)
+        outcome = labkit.launch(fn, world_size, str(folder), timeout=60, **kwargs)
     except labkit.LaunchError as error:
         outcome = error
-    ended = time.time()
-    onsets = [float(p.read_text()) for p in stamps.iterdir()]
-    assert len(onsets) == world_size, f"only {len(onsets)} ranks reached their blocking call"
-    return outcome, ended - max(onsets)
+    return outcome, seconds_since_last(folder, expected=world_size, ended=time.time())
 
 
 # ----------------------------------------------------------------------------- real deadlocks

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import labkit
+from tests.stamps import seconds_since_last, stamp
 launch_module = importlib.import_module("labkit.launch")  # the module; labkit.launch is the function
 
 LABKIT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
@@ -35,17 +36,12 @@ def process_gone(pid: int) -> bool:
 
 def stamp_now(pid_dir):
     """Write the wall clock into this rank's pid file: the moment the test times from."""
-    with open(os.path.join(pid_dir, str(os.getpid())), "w") as f:
-        f.write(repr(time.time()))
+    stamp(pid_dir, str(os.getpid()))
 
 
 def seconds_since_stamp(pid_dir) -> float:
-    """Seconds from the latest ``stamp_now`` in ``pid_dir`` to now. Timing from there, not from
-    the launch, leaves out how long a loaded machine takes to start the ranks."""
-    stamps = [float(text) for name in os.listdir(pid_dir)
-              if (text := open(os.path.join(pid_dir, name)).read())]
-    assert stamps, "no rank reached the stamp"
-    return time.time() - max(stamps)
+    """Seconds from the latest ``stamp_now`` in ``pid_dir`` to now (pid files left empty skipped)."""
+    return seconds_since_last(pid_dir)
 
 
 def wait_until(condition, seconds: float) -> bool:
