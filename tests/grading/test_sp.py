@@ -617,6 +617,9 @@ def ulysses_on_rank(causal: bool, subgroups: bool = False, seed: int = 0, draws:
     groups = list(groups_to_check(subgroups))
     for group, members in groups:
         ulysses_check(causal, group, members)
+        for i, (shape, scatter_dim, gather_dim) in enumerate(FIXED_ALL_TO_ALL):
+            check_all_to_all(shape, scatter_dim, gather_dim, torch.float64, 30 + i, group, members,
+                             f"sp.ulysses: {where(members)}")
     drawn_ulysses(seed, draws, groups)
 
 
@@ -624,7 +627,7 @@ def drawn_ulysses(seed: int, draws: int, groups) -> None:
     """all_to_all with drawn dims (any scatter and gather dim of a 2-4-D tensor, the same dim
     too) against the rank-order exchange, with a random incoming gradient; then Ulysses on drawn
     shapes (heads a multiple of N), dtypes, causal or not."""
-    from labkit.sp import all_to_all, ulysses_attention
+    from labkit.sp import ulysses_attention
     rng = random.Random(seed)
     for draw in range(draws):
         group, members = groups[rng.randrange(len(groups))]
@@ -632,22 +635,9 @@ def drawn_ulysses(seed: int, draws: int, groups) -> None:
         dims = rng.randint(2, 4)
         scatter_dim, gather_dim = rng.randrange(dims), rng.randrange(dims)
         shape = [rng.randint(1, 3) for _ in range(dims)]
-        shape[scatter_dim] *= n
         dtype = rng.choice([torch.float64, torch.float32])
-        gen = torch.Generator().manual_seed(rng.randrange(2**31))
-        inputs = [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
-        at = f"sp.ulysses: drawn configuration {draw} of seed {seed}, {where(members)}: all_to_all of a {dtype} " \
-             f"{tuple(shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}"
-        # rank me receives piece me of every rank's input, in rank order, along gather_dim
-        expected = torch.cat([x.chunk(n, scatter_dim)[me] for x in inputs], gather_dim)
-        x = inputs[me].clone().requires_grad_()
-        y = all_to_all(x, scatter_dim, gather_dim, group)
-        assert_close(y, expected, f"{at}: output")
-        ups = [torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
-        y.backward(ups[me].clone())
-        # the gradient of my piece j (sent to rank j) is rank j's incoming gradient at my slot
-        grad = torch.cat([u.chunk(n, gather_dim)[me] for u in ups], scatter_dim)
-        assert_close(x.grad, grad, f"{at}: gradient (the reverse exchange of a random incoming gradient)")
+        at = f"sp.ulysses: drawn configuration {draw} of seed {seed}, {where(members)}"
+        check_all_to_all(shape, scatter_dim, gather_dim, dtype, rng.randrange(2**31), group, members, at)
         q, k, v, up, causal, shape = drawn_attention(rng, n, n, False)
         rows = slice(me * q.shape[2] // n, (me + 1) * q.shape[2] // n)
         out, grads = drawn_grads(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), (q, k, v), up)
@@ -658,6 +648,33 @@ def drawn_ulysses(seed: int, draws: int, groups) -> None:
         y.backward(up[:, :, rows].clone())
         for name, t, full in zip("qkv", mine, grads):
             assert_close(t.grad, full[:, :, rows], f"{at}: d{name}", **drawn_tolerance(q.dtype))
+
+
+# all_to_all on dims other than Ulysses' own (1, 2) and (2, 1), on every world size without a
+# draw: an exchange that assumes them (scatters along 1 or 2 whatever it is asked) fails here.
+FIXED_ALL_TO_ALL = [((2, 3, 1), 0, 2), ((1, 2, 3, 2), 3, 1), ((3, 2), 1, 1), ((2, 1, 2, 3), 1, 3)]
+
+
+def check_all_to_all(shape, scatter_dim, gather_dim, dtype, seed, group, members, at) -> None:
+    """all_to_all of a ``shape`` tensor (its ``scatter_dim`` made N times longer) against the
+    rank-order exchange, forward and with a random incoming gradient backward."""
+    from labkit.sp import all_to_all
+    n, me = len(members), members.index(dist.get_rank())
+    shape = list(shape)
+    shape[scatter_dim] *= n
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
+    at = f"{at}: all_to_all of a {dtype} {tuple(shape)}, scatter_dim={scatter_dim}, gather_dim={gather_dim}"
+    # rank me receives piece me of every rank's input, in rank order, along gather_dim
+    expected = torch.cat([x.chunk(n, scatter_dim)[me] for x in inputs], gather_dim)
+    x = inputs[me].clone().requires_grad_()
+    y = all_to_all(x, scatter_dim, gather_dim, group)
+    assert_close(y, expected, f"{at}: output")
+    ups = [torch.randn(expected.shape, generator=gen, dtype=torch.float64).to(dtype) for _ in members]
+    y.backward(ups[me].clone())
+    # the gradient of my piece j (sent to rank j) is rank j's incoming gradient at my slot
+    grad = torch.cat([u.chunk(n, gather_dim)[me] for u in ups], scatter_dim)
+    assert_close(x.grad, grad, f"{at}: gradient (the reverse exchange of a random incoming gradient)")
 
 
 def ulysses_check(causal, group, members):
