@@ -201,11 +201,6 @@ def format_earlier(root: Path, chapters: list[str]) -> list[str]:
     return lines
 
 
-def _module_name(root: Path, path: Path) -> str:
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def _imports(tree: ast.AST, module: str) -> dict[str, tuple[str, str | None]]:
     """Name -> (module, attribute or None for the module itself), from every import in ``tree``."""
     bound: dict[str, tuple[str, str | None]] = {}

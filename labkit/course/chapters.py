@@ -78,8 +78,7 @@ def exercise_files(package: Path, module: str) -> list[Path]:
         return []
     imported = re.findall(rf"^from labkit\.{module}\.(\w+) import", init.read_text(), re.M)
     order = {name: i for i, name in enumerate(dict.fromkeys(imported))}
-    files = sorted(init.parent.glob("*.py"), key=lambda p: (p != init, order.get(p.stem, len(order)), p.name))
-    return files
+    return sorted(init.parent.glob("*.py"), key=lambda p: (p != init, order.get(p.stem, len(order)), p.name))
 
 
 def dotted_name(package: Path, path: Path) -> str:

@@ -65,18 +65,18 @@ class Mutant:
                               f"{where} (must be exactly once); update the mutant")
         return next(path for path, count in counts.items() if count)
 
-    def source(self, root: Path) -> str:
-        """The mutated file's text (the file ``locate`` finds)."""
-        path = self.locate(root)
+    def source(self, root: Path, path: Path | None = None) -> str:
+        """The mutated text of ``path``, by default the file ``locate`` finds."""
+        path = path or self.locate(root)
         mutated = path.read_text().replace(self.find, self.replace)
         compile(mutated, relative_path(root / "labkit", path), "exec")
         return mutated
 
     def sources(self, root: Path) -> dict[str, str]:
         """``{dotted name: source}`` of the whole exercise module, this mutant's file mutated."""
-        package = root / "labkit"
+        package, path = root / "labkit", self.locate(root)
         found = exercise_sources(package, self.module)
-        found[dotted_name(package, self.locate(root))] = self.source(root)
+        found[dotted_name(package, path)] = self.source(root, path)
         return found
 
 

@@ -112,7 +112,7 @@ def find_stubs(path: Path) -> list[Region]:
 def code_files(pkg: Path) -> list[Path]:
     """The files that may hold exercises: labkit's own modules, and the files of every chapter
     that is a package (``labkit/compress/*.py``); not the course's tools below ``labkit/``."""
-    packaged = [f for m in CHAPTERS.values() if (pkg / m).is_dir() for f in exercise_files(pkg, m)]
+    packaged = [f for m in CHAPTERS.values() for f in exercise_files(pkg, m) if f.parent != pkg]
     return sorted(pkg.glob("*.py")) + packaged
 
 
